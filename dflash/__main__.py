@@ -1,0 +1,3 @@
+from dflash.cli import main
+
+main()

@@ -1,0 +1,75 @@
+"""Process setup in the nanochat style: one process per GPU under torchrun, nothing without it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def under_torchrun() -> bool:
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+
+
+def compute_init(device: str | None = None) -> Dist:
+    """rank/world/device; initialises the process group only under torchrun with world > 1."""
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device in (None, "auto"):
+        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+    return Dist(rank, local_rank, world, dev)
+
+
+def compute_cleanup() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def barrier() -> None:
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+
+
+def print0(*args, **kwargs) -> None:
+    if int(os.environ.get("RANK", 0)) == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def launch_torchrun(module: str, argv: list[str], gpus: str) -> int:
+    """Re-launch `python -m module argv` under torchrun on the given GPU ids (the --gpus convenience)."""
+    import subprocess
+    import sys
+
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not ids or not all(g.isdigit() for g in ids):
+        raise SystemExit(f"--gpus expects a comma-separated list of GPU ids such as 0,1,2 (got {gpus!r})")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids))
+    env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(ids)}",
+           "-m", module, *argv]
+    return subprocess.call(cmd, env=env)

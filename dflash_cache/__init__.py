@@ -1,0 +1,31 @@
+"""dflash_cache: the hidden-state cache shared by `dflash extract` (writer) and `dflash train` (reader).
+
+See format.py for the on-disk layout. Usable on its own:
+
+    import dflash_cache
+    cache = dflash_cache.open("path/to/cache")
+    row = cache[0]            # input_ids, loss_mask, doc_ids, hidden (bf16 [T, K*H])
+"""
+
+from .format import (
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    CacheCorruptError,
+    CacheError,
+    CacheIncompleteError,
+    CacheMismatchError,
+    CacheNotFoundError,
+    CacheSpec,
+    CacheVersionError,
+    NotACacheError,
+    fingerprint,
+)
+from .inspect import VerifyReport, info, verify
+from .reader import Batch, Cache, open
+from .writer import CacheWriter
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "Batch", "Cache", "CacheCorruptError", "CacheError", "CacheIncompleteError",
+    "CacheMismatchError", "CacheNotFoundError", "CacheSpec", "CacheVersionError", "CacheWriter", "NotACacheError",
+    "VerifyReport", "fingerprint", "info", "open", "verify",
+]

@@ -1,0 +1,185 @@
+"""The on-disk contract of a dflash hidden-state cache (format version 1).
+
+A cache is a zarr v3 hierarchy (a local directory or any fsspec URL):
+
+    CACHE/zarr.json                       root group; attributes = the cache metadata (below)
+    CACHE/shards/zarr.json                group
+    CACHE/shards/000017/zarr.json         one shard = one group; its attribute "dflash_commit" is
+                                          written LAST and is what makes the shard exist
+    CACHE/shards/000017/input_ids         int32   [R_s, T]       chunks [R_s, T]
+    CACHE/shards/000017/loss_mask         uint8   [R_s, T]       1 on supervised (assistant) tokens
+    CACHE/shards/000017/doc_ids           int32   [R_s, T]       1, 2, ... per packed document; 0 = padding
+    CACHE/shards/000017/hidden            uint16  [R_s, T, K*H]  bf16 bits of the K captured layers,
+                                                                 concatenated; chunks [1, C, K*H]
+
+Every array is a plain zarr array (any zarr client reads it). Row r of shard s is global row
+s * rows_per_shard + r; the last shard may hold fewer rows. Rows are exactly T tokens; padding
+tokens have doc_id 0, loss_mask 0 and all-zero hidden states (true zeros cost nothing compressed).
+
+The commit record carries, per array, the CRC-32 of every chunk's raw (decoded, little-endian)
+bytes, so `verify` detects truncated, corrupted or swapped files. A shard without a commit record
+does not exist: a crashed writer leaves nothing that looks complete, and a rerun redoes it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+FORMAT_NAME = "dflash-cache"
+FORMAT_VERSION = 1
+COMMIT_KEY = "dflash_commit"
+SHARDS = "shards"
+
+# name -> (numpy dtype, zarr dtype string)
+SMALL_ARRAYS = {"input_ids": "int32", "loss_mask": "uint8", "doc_ids": "int32"}
+HIDDEN = "hidden"
+ARRAYS = (*SMALL_ARRAYS, HIDDEN)
+HIDDEN_DTYPES = {"bfloat16": "uint16"}  # logical dtype -> stored dtype (bf16 has no zarr dtype)
+CODECS = ("none", "lz4", "zstd", "blosc-zstd")
+
+
+class CacheError(Exception):
+    """Base class: every error the cache raises for bad input or a bad cache."""
+
+
+class CacheNotFoundError(CacheError):
+    pass
+
+
+class NotACacheError(CacheError):
+    pass
+
+
+class CacheVersionError(CacheError):
+    pass
+
+
+class CacheMismatchError(CacheError):
+    """The cache was written with other settings than the ones asked for."""
+
+    def __init__(self, field: str, cached: Any, wanted: Any, path: str = "", hint: str = ""):
+        self.field, self.cached, self.wanted = field, cached, wanted
+        where = f" at {path}" if path else ""
+        msg = f"cache{where} does not match: field '{field}' is {cached!r} in the cache but {wanted!r} was asked for"
+        super().__init__(msg + (f"; {hint}" if hint else ""))
+
+
+class CacheCorruptError(CacheError):
+    pass
+
+
+class CacheIncompleteError(CacheError):
+    pass
+
+
+def shard_key(index: int) -> str:
+    return f"{SHARDS}/{index:06d}"
+
+
+def pick_chunk_tokens(seq_len: int, row_width: int, target_bytes: int = 8 << 20) -> int:
+    """Largest divisor of T whose chunk [1, C, K*H] of 2-byte values stays under target_bytes."""
+    limit = max(1, target_bytes // max(1, 2 * row_width))
+    return max(d for d in range(1, seq_len + 1) if seq_len % d == 0 and d <= limit)
+
+
+@dataclass
+class CacheSpec:
+    """The structural fields every cache has (the rest of the metadata is free-form `info`)."""
+
+    seq_len: int
+    hidden_size: int
+    layer_ids: list[int]
+    num_rows: int
+    rows_per_shard: int
+    hidden_dtype: str = "bfloat16"
+    codec: str = "lz4"
+    hidden_chunk_tokens: int = 0  # 0 = choose (pick_chunk_tokens)
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.layer_ids = [int(i) for i in self.layer_ids]
+        for name in ("seq_len", "hidden_size", "rows_per_shard"):
+            if int(getattr(self, name)) <= 0:
+                raise CacheError(f"cache spec: {name} must be positive, got {getattr(self, name)}")
+        if self.num_rows < 0:
+            raise CacheError(f"cache spec: num_rows must be >= 0, got {self.num_rows}")
+        if not self.layer_ids:
+            raise CacheError("cache spec: layer_ids is empty")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise CacheError(f"cache spec: hidden_dtype {self.hidden_dtype!r} is not one of {sorted(HIDDEN_DTYPES)}")
+        if self.codec not in CODECS:
+            raise CacheError(f"cache spec: codec {self.codec!r} is not one of {list(CODECS)}")
+        if not self.hidden_chunk_tokens:
+            self.hidden_chunk_tokens = pick_chunk_tokens(self.seq_len, self.row_width)
+        if self.seq_len % self.hidden_chunk_tokens:
+            raise CacheError(
+                f"cache spec: hidden_chunk_tokens={self.hidden_chunk_tokens} must divide seq_len={self.seq_len}"
+            )
+
+    @property
+    def row_width(self) -> int:
+        return len(self.layer_ids) * self.hidden_size
+
+    @property
+    def num_shards(self) -> int:
+        return -(-self.num_rows // self.rows_per_shard)
+
+    def shard_rows(self, shard: int) -> tuple[int, int]:
+        """(first global row, number of rows) of a shard."""
+        if not 0 <= shard < self.num_shards:
+            raise CacheError(f"shard {shard} is out of range: the cache has {self.num_shards} shards")
+        start = shard * self.rows_per_shard
+        return start, min(self.rows_per_shard, self.num_rows - start)
+
+    def to_metadata(self) -> dict[str, Any]:
+        meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+        d = asdict(self)
+        info = d.pop("info")
+        meta.update(d)
+        meta["num_layers"] = len(self.layer_ids)
+        meta["num_shards"] = self.num_shards
+        meta["info"] = info
+        return json.loads(json.dumps(meta))  # plain JSON types only
+
+    @classmethod
+    def from_metadata(cls, meta: dict[str, Any]) -> "CacheSpec":
+        keys = ("seq_len", "hidden_size", "layer_ids", "num_rows", "rows_per_shard", "hidden_dtype", "codec",
+                "hidden_chunk_tokens")
+        return cls(**{k: meta[k] for k in keys}, info=dict(meta.get("info") or {}))
+
+
+def lookup(meta: dict[str, Any], dotted: str) -> Any:
+    """meta['a']['b'] for 'a.b'; also looks under 'info' so callers need not know where a field lives."""
+    for root in (meta, meta.get("info") or {}):
+        node: Any = root
+        for part in dotted.split("."):
+            if not isinstance(node, dict) or part not in node:
+                break
+            node = node[part]
+        else:
+            return node
+    raise KeyError(dotted)
+
+
+def check_expectations(meta: dict[str, Any], expect: dict[str, Any] | None, path: str = "", hint: str = "") -> None:
+    """Raise CacheMismatchError naming the first field whose cached value differs from what is expected."""
+    for key, wanted in (expect or {}).items():
+        try:
+            cached = lookup(meta, key)
+        except KeyError:
+            cached = None
+        norm = lambda v: json.loads(json.dumps(v))  # tuples == lists, ints == ints
+        if norm(cached) != norm(wanted):
+            raise CacheMismatchError(key, cached, wanted, path, hint)
+
+
+def fingerprint(*parts: Any) -> str:
+    """A short stable hash of JSON-able parts or bytes."""
+    h = hashlib.sha256()
+    for p in parts:
+        h.update(p if isinstance(p, (bytes, bytearray, memoryview)) else json.dumps(p, sort_keys=True).encode())
+        h.update(b"\x00")
+    return h.hexdigest()[:16]

@@ -1,0 +1,285 @@
+"""Reading a cache: random access to rows, and the deterministic sharded batch iterator.
+
+    cache = dflash_cache.open(path, expect={"layer_ids": [1, 9, 17, 25, 33], "seq_len": 4096})
+    len(cache)                   # rows
+    cache.metadata["layer_ids"]  # the root metadata
+    cache[i]                     # {"input_ids": int32 [T], "loss_mask": uint8 [T], "doc_ids": int32 [T],
+                                 #  "hidden": bfloat16 [T, K*H]} as torch tensors
+    for batch in cache.batches(4, rank=r, world=w, epoch=e, seed=0):
+        ...                      # the same dict with a leading [4] dim, plus "row_index", "row_valid"
+
+Decoding runs in background threads (blosc/zstd release the GIL) straight into the batch buffers;
+no thread here ever touches CUDA. With pin_memory=True the buffers are a ring of pinned tensors
+allocated by the caller's (main) thread; the caller must call batch.release() once its
+host-to-device copy has completed, and only then is the buffer reused.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from .format import (
+    HIDDEN,
+    SMALL_ARRAYS,
+    CacheCorruptError,
+    CacheError,
+    CacheIncompleteError,
+    CacheSpec,
+    check_expectations,
+    shard_key,
+)
+from .store import Codec, Store, crc32
+from .writer import SMALL_CODEC, chunk_key, committed_shards, read_root
+
+
+def open(path: str, expect: dict[str, Any] | None = None, allow_incomplete: bool = False,
+         threads: int = 4) -> "Cache":
+    """Open a cache for reading. `expect` maps (dotted) metadata fields to required values."""
+    return Cache(path, expect=expect, allow_incomplete=allow_incomplete, threads=threads)
+
+
+class Batch(dict):
+    """A dict of CPU tensors; call release() after its data was copied elsewhere (pinned mode)."""
+
+    def __init__(self, data: dict[str, torch.Tensor], release=None):
+        super().__init__(data)
+        self._release = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+
+class Cache:
+    def __init__(self, path: str, expect=None, allow_incomplete=False, threads=4):
+        self.path = str(path)
+        self.store = Store(path)
+        self.metadata = read_root(self.store)
+        self.spec = CacheSpec.from_metadata(self.metadata)
+        check_expectations(self.metadata, expect, self.path)
+        self.commits = committed_shards(self.store, self.spec.num_shards)
+        missing = [s for s in range(self.spec.num_shards) if s not in self.commits]
+        self.complete = not missing
+        if missing and not allow_incomplete:
+            raise CacheIncompleteError(
+                f"cache {self.path} is incomplete: {len(missing)} of {self.spec.num_shards} shards are not committed "
+                f"(first: {missing[0]}); rerun the extraction to finish it"
+            )
+        # global row index -> (shard, row in shard) over committed shards, in shard order
+        self._shards = sorted(self.commits)
+        counts = [int(self.commits[s]["rows"]) for s in self._shards]
+        self._starts = np.cumsum([0] + counts)
+        self._hidden_codec = Codec(self.spec.codec, 2)
+        self._small_codec = Codec(SMALL_CODEC, 4)
+        self._small: collections.OrderedDict[int, dict[str, np.ndarray]] = collections.OrderedDict()
+        self._small_lock = threading.Lock()
+        self.threads = threads
+
+    # -- basic facts ---------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    @property
+    def seq_len(self) -> int:
+        return self.spec.seq_len
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.spec.layer_ids)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.spec.hidden_size
+
+    @property
+    def real_tokens(self) -> int:
+        return sum(int(c["real_tokens"]) for c in self.commits.values())
+
+    def locate(self, i: int) -> tuple[int, int]:
+        n = len(self)
+        if not -n <= i < n:
+            raise IndexError(f"row {i} out of range for a cache of {n} rows")
+        i %= n
+        k = int(np.searchsorted(self._starts, i, side="right") - 1)
+        return self._shards[k], i - int(self._starts[k])
+
+    # -- decoding --------------------------------------------------------------------------------
+    def _get(self, key: str, shard: int) -> bytes:
+        data = self.store.get(key)
+        if data is None:
+            raise CacheCorruptError(f"cache {self.path}: shard {shard} is committed but {key} is missing; run `dflash cache verify`")
+        return data
+
+    def _decode(self, key: str, shard: int, codec: Codec, out: np.ndarray, crc: int | None) -> None:
+        try:
+            codec.decode(self._get(key, shard), out)
+        except CacheCorruptError:
+            raise
+        except Exception as e:
+            raise CacheCorruptError(f"cache {self.path}: shard {shard}: cannot decode {key} ({e}); run `dflash cache verify`") from e
+        if crc is not None and crc32(out) != crc:
+            raise CacheCorruptError(f"cache {self.path}: shard {shard}: checksum mismatch in {key}")
+
+    def shard_small(self, shard: int, check: bool = True) -> dict[str, np.ndarray]:
+        """The small arrays of a shard (input_ids, loss_mask, doc_ids), cached in memory."""
+        with self._small_lock:
+            if shard in self._small:
+                self._small.move_to_end(shard)
+                return self._small[shard]
+        rec = self.commits[shard]
+        rows, T = int(rec["rows"]), self.spec.seq_len
+        out = {}
+        for name, dtype in SMALL_ARRAYS.items():
+            arr = np.empty((rows, T), dtype=dtype)
+            crc = rec["crc32"][name][0] if check else None
+            self._decode(chunk_key(f"{shard_key(shard)}/{name}", (0, 0)), shard, self._small_codec, arr, crc)
+            out[name] = arr
+        with self._small_lock:
+            self._small[shard] = out
+            while len(self._small) > 64:
+                self._small.popitem(last=False)
+        return out
+
+    def read_hidden_into(self, shard: int, row: int, out: np.ndarray, check: bool = False) -> None:
+        """Decode row `row` of `shard` into out (uint16 [T, K*H])."""
+        C = self.spec.hidden_chunk_tokens
+        crcs = self.commits[shard]["crc32"][HIDDEN]
+        per_row = self.spec.seq_len // C
+        for c in range(per_row):
+            crc = crcs[row * per_row + c] if check else None
+            self._decode(chunk_key(f"{shard_key(shard)}/{HIDDEN}", (row, c, 0)), shard, self._hidden_codec,
+                         out[c * C:(c + 1) * C], crc)
+
+    def _read_row_into(self, i: int, bufs: dict[str, np.ndarray], slot: int, check: bool) -> None:
+        shard, r = self.locate(i)
+        small = self.shard_small(shard)
+        for name in SMALL_ARRAYS:
+            bufs[name][slot] = small[name][r]
+        self.read_hidden_into(shard, r, bufs[HIDDEN][slot], check)
+
+    def _alloc(self, n: int, pin: bool) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+        T, W = self.spec.seq_len, self.spec.row_width
+        tens = {
+            "input_ids": torch.empty(n, T, dtype=torch.int32, pin_memory=pin),
+            "loss_mask": torch.empty(n, T, dtype=torch.uint8, pin_memory=pin),
+            "doc_ids": torch.empty(n, T, dtype=torch.int32, pin_memory=pin),
+            HIDDEN: torch.empty(n, T, W, dtype=torch.bfloat16, pin_memory=pin),
+        }
+        views = {k: v.numpy() for k, v in tens.items() if k != HIDDEN}
+        views[HIDDEN] = tens[HIDDEN].view(torch.int16).numpy().view(np.uint16)
+        return tens, views
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        tens, views = self._alloc(1, False)
+        self._read_row_into(int(i), views, 0, check=True)
+        return {k: v[0] for k, v in tens.items()}
+
+    def read_rows(self, indices, check: bool = False) -> dict[str, torch.Tensor]:
+        tens, views = self._alloc(len(indices), False)
+        for slot, i in enumerate(indices):
+            self._read_row_into(int(i), views, slot, check)
+        return tens
+
+    # -- the training iterator ---------------------------------------------------------------------
+    def steps_per_epoch(self, batch_rows: int, world: int = 1) -> int:
+        return -(-len(self) // (batch_rows * world))
+
+    def epoch_order(self, batch_rows: int, rank: int, world: int, epoch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+        """(row indices [steps, batch_rows], valid [steps, batch_rows]) for one rank and epoch.
+
+        One permutation per (seed, epoch), shared by all ranks; rank r takes every world-th batch
+        slot. The tail is filled with repeats marked invalid (their loss mask is zeroed), so every
+        row is seen exactly once per epoch across ranks and every batch has the same shape.
+        """
+        if not 0 <= rank < world:
+            raise CacheError(f"rank {rank} is out of range for world size {world}")
+        n = len(self)
+        if n == 0:
+            raise CacheError(f"cache {self.path} has no rows")
+        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        steps = self.steps_per_epoch(batch_rows, world)
+        total = steps * batch_rows * world
+        idx = np.concatenate([perm, perm[np.arange(total - n) % n]])
+        valid = np.arange(total) < n
+        idx = idx.reshape(steps, world, batch_rows)[:, rank]
+        valid = valid.reshape(steps, world, batch_rows)[:, rank]
+        return idx, valid
+
+    def batches(self, batch_rows: int, *, rank: int = 0, world: int = 1, epoch: int = 0, seed: int = 0,
+                start_step: int = 0, prefetch: int = 4, threads: int | None = None, pin_memory: bool = False,
+                check: bool = False) -> Iterator[Batch]:
+        """Fixed-shape batches of one epoch for one rank, starting at start_step (for resume)."""
+        order, valid = self.epoch_order(batch_rows, rank, world, epoch, seed)
+        steps = range(start_step, len(order))
+        if not len(steps):
+            return
+        nthreads = threads or self.threads
+        pool = ThreadPoolExecutor(nthreads, thread_name_prefix="dflash-read")
+        ring: list[tuple[dict, dict]] | None = None
+        free: collections.deque[int] = collections.deque()
+        cond = threading.Condition()
+        if pin_memory:
+            ring = [self._alloc(batch_rows, True) for _ in range(prefetch + 2)]  # allocated in this (main) thread
+            free.extend(range(len(ring)))
+
+        def fill(step: int, slot: int | None) -> tuple[dict, int | None]:
+            tens, views = ring[slot] if ring is not None else self._alloc(batch_rows, False)
+            for j, i in enumerate(order[step]):
+                self._read_row_into(int(i), views, j, check)
+            bad = ~valid[step]
+            if bad.any():
+                views["loss_mask"][bad] = 0
+            return tens, slot
+
+        def take_slot() -> int | None:
+            if ring is None:
+                return None
+            with cond:
+                while not free:
+                    cond.wait()
+                return free.popleft()
+
+        def give_back(slot):
+            def f():
+                with cond:
+                    free.append(slot)
+                    cond.notify()
+            return f
+
+        pending: collections.deque[tuple[int, Future]] = collections.deque()
+        it = iter(steps)
+        try:
+            def top_up():
+                while len(pending) < prefetch:
+                    if ring is not None and not free:
+                        return
+                    step = next(it, None)
+                    if step is None:
+                        return
+                    pending.append((step, pool.submit(fill, step, take_slot())))
+
+            top_up()
+            while pending:
+                step, fut = pending.popleft()
+                tens, slot = fut.result()
+                out = dict(tens)
+                out["row_index"] = torch.from_numpy(order[step].astype(np.int64))
+                out["row_valid"] = torch.from_numpy(valid[step].copy())
+                yield Batch(out, give_back(slot) if slot is not None else None)
+                top_up()
+                if ring is not None and not pending and step + 1 < len(order):
+                    raise CacheError(
+                        f"all {len(ring)} pinned batch buffers are held by the consumer: call batch.release() "
+                        "once a batch has been copied to the device"
+                    )
+        finally:
+            for _, f in pending:
+                f.cancel()
+            pool.shutdown(wait=True, cancel_futures=True)

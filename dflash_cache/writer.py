@@ -1,0 +1,296 @@
+"""Writing a cache: create or reopen the root, then write whole shards, each committed atomically.
+
+    spec = CacheSpec(seq_len=T, hidden_size=H, layer_ids=[1, 9, 17, 25, 33], num_rows=N, rows_per_shard=R)
+    w = CacheWriter(path, spec)                       # creates, or reopens and checks the metadata
+    for s in range(spec.num_shards):
+        if s not in w.committed:                      # resume: committed shards are kept
+            w.submit_shard(s, input_ids, loss_mask, doc_ids, hidden)   # returns at once
+    w.close()                                         # waits; raises the first write error
+
+Many writers (processes, machines) may write disjoint shards of one cache at the same time: a shard
+is written by exactly one writer, and the root is created once with identical content.
+Encoding, checksums and file writes run in background threads; they never touch CUDA.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
+
+import numpy as np
+
+from .format import (
+    COMMIT_KEY,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    HIDDEN,
+    SHARDS,
+    SMALL_ARRAYS,
+    CacheError,
+    CacheMismatchError,
+    CacheSpec,
+    CacheVersionError,
+    NotACacheError,
+    shard_key,
+)
+from .store import Codec, Store, crc32, zarr_compressors
+
+SMALL_CODEC = "zstd"  # token ids / masks / doc ids: tiny, and zstd shrinks them ~5-20x
+
+
+def group_json(attributes: dict[str, Any]) -> bytes:
+    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}, indent=1).encode()
+
+
+_META_CACHE: dict[tuple, bytes] = {}
+_META_LOCK = threading.Lock()
+
+
+def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, codec: str, attrs: dict) -> bytes:
+    """zarr.json of an array, produced by zarr itself (so it is valid for the installed zarr)."""
+    key = (shape, chunks, dtype, codec, json.dumps(attrs, sort_keys=True))
+    with _META_LOCK:
+        if key not in _META_CACHE:
+            import zarr
+            from zarr.core.buffer import default_buffer_prototype
+            from zarr.core.sync import sync
+            from zarr.storage import MemoryStore
+
+            ms = MemoryStore()
+            zarr.create_array(ms, name="a", shape=shape, chunks=chunks, dtype=dtype,
+                              compressors=zarr_compressors(codec), fill_value=0, attributes=attrs)
+            _META_CACHE[key] = sync(ms.get("a/zarr.json", prototype=default_buffer_prototype())).to_bytes()
+        return _META_CACHE[key]
+
+
+def chunk_key(array_path: str, coords: tuple[int, ...]) -> str:
+    return f"{array_path}/c/" + "/".join(str(c) for c in coords)
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+# Metadata that legitimately differs between runs writing the same cache.
+VOLATILE_PREFIXES = ("info.run.",)
+
+
+def compare_metadata(cached: dict, wanted: dict, path: str) -> None:
+    a, b = flatten(cached), flatten(wanted)
+    for k in sorted(set(a) | set(b)):
+        if k.startswith(VOLATILE_PREFIXES):
+            continue
+        if json.loads(json.dumps(a.get(k))) != json.loads(json.dumps(b.get(k))):
+            raise CacheMismatchError(k, a.get(k), b.get(k), path,
+                                     "this run's settings differ from the existing cache; pass --overwrite to replace it")
+
+
+def read_root(store: Store) -> dict[str, Any]:
+    """The root metadata of a cache, with clear errors for what is not one."""
+    if not store.exists_root():
+        from .format import CacheNotFoundError
+
+        raise CacheNotFoundError(f"no cache at {store.url}: the path does not exist")
+    doc = store.get_json("zarr.json")
+    if doc is None:
+        raise NotACacheError(f"{store.url} is not a dflash cache: it has no readable zarr.json")
+    attrs = doc.get("attributes") or {}
+    if attrs.get("format") != FORMAT_NAME:
+        raise NotACacheError(f"{store.url} is a zarr store but not a dflash cache (no format '{FORMAT_NAME}' in its attributes)")
+    v = attrs.get("format_version")
+    if not isinstance(v, int) or v > FORMAT_VERSION:
+        raise CacheVersionError(
+            f"{store.url} was written in cache format version {v}; this dflash reads versions <= {FORMAT_VERSION}: upgrade dflash"
+        )
+    return attrs
+
+
+def committed_shards(store: Store, num_shards: int) -> dict[int, dict[str, Any]]:
+    """shard index -> commit record, for every committed shard."""
+    out = {}
+    for name in store.list_dir(SHARDS):
+        if not name.isdigit():
+            continue
+        doc = store.get_json(f"{SHARDS}/{name}/zarr.json")
+        rec = ((doc or {}).get("attributes") or {}).get(COMMIT_KEY)
+        if rec is not None and int(name) < num_shards:
+            out[int(name)] = rec
+    return out
+
+
+class CacheWriter:
+    def __init__(self, path: str, spec: CacheSpec, *, overwrite: bool = False, threads: int = 8,
+                 max_inflight_shards: int = 2, create: bool = True, writer_id: str | None = None):
+        self.store = Store(path)
+        self.spec = spec
+        self.path = str(path)
+        self.writer_id = writer_id or f"{socket.gethostname()}:{os.getpid()}"
+        self._hidden_codec = Codec(spec.codec, 2)
+        self._small_codec = Codec(SMALL_CODEC, 4)
+        meta = spec.to_metadata()
+        existing = None
+        if self.store.exists_root():
+            try:
+                existing = read_root(self.store)
+            except NotACacheError:
+                if self.store.list_dir("") and not overwrite:
+                    raise NotACacheError(
+                        f"{self.path} exists and is not a dflash cache; refusing to write into it (pass --overwrite to replace it)"
+                    )
+        if existing is not None and overwrite and create:
+            self.store.delete_prefix("")
+            existing = None
+        if existing is not None:
+            if existing.get("format_version") != FORMAT_VERSION:
+                raise CacheVersionError(f"{self.path} has format version {existing.get('format_version')}; cannot append to it")
+            compare_metadata(existing, meta, self.path)
+        elif create:
+            self.store.put("zarr.json", group_json(meta))
+            self.store.put(f"{SHARDS}/zarr.json", group_json({}))
+        else:
+            raise CacheError(f"no cache at {self.path} to write into")
+        self.metadata = meta
+        self.committed = set(committed_shards(self.store, spec.num_shards))
+        self._chunk_pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dflash-chunk")
+        self._shard_pool = ThreadPoolExecutor(max(1, max_inflight_shards), thread_name_prefix="dflash-shard")
+        self._futures: list[Future] = []
+        self.bytes_written = 0
+        self.raw_bytes = 0
+        self._lock = threading.Lock()
+
+    # -- writing ---------------------------------------------------------------------------------
+    def _check_arrays(self, shard: int, arrays: dict[str, np.ndarray]) -> int:
+        _, rows = self.spec.shard_rows(shard)
+        T, W = self.spec.seq_len, self.spec.row_width
+        want = {"input_ids": (rows, T), "loss_mask": (rows, T), "doc_ids": (rows, T), HIDDEN: (rows, T, W)}
+        for name, shape in want.items():
+            if tuple(arrays[name].shape) != shape:
+                raise CacheError(f"shard {shard}: array '{name}' has shape {tuple(arrays[name].shape)}, expected {shape}")
+        return rows
+
+    @staticmethod
+    def _as_numpy(name: str, x) -> np.ndarray:
+        try:
+            import torch
+
+            if isinstance(x, torch.Tensor):
+                if name == HIDDEN:
+                    if x.dtype != torch.bfloat16:
+                        raise CacheError(f"hidden must be bfloat16, got {x.dtype}")
+                    return x.detach().cpu().view(torch.int16).numpy().view(np.uint16)
+                x = x.detach().cpu().numpy()
+        except ImportError:  # pragma: no cover
+            pass
+        x = np.asarray(x)
+        if name == HIDDEN:
+            if x.dtype != np.uint16:
+                raise CacheError(f"hidden must be bf16 bits (uint16) or a torch.bfloat16 tensor, got {x.dtype}")
+            return x
+        return x.astype(SMALL_ARRAYS[name], copy=False)
+
+    def _put_chunk(self, key: str, arr: np.ndarray, codec: Codec) -> tuple[int, int]:
+        c = crc32(arr)
+        data = codec.encode(arr)
+        try:
+            self.store.put(key, data)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CacheError(f"disk full while writing {self.path}/{key}: free space or choose another --out") from e
+            raise CacheError(f"cannot write {self.path}/{key}: {e}") from e
+        return c, len(data)
+
+    def write_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden) -> dict[str, Any]:
+        """Write and commit one shard (blocking; chunks are encoded in parallel)."""
+        arrays = {"input_ids": input_ids, "loss_mask": loss_mask, "doc_ids": doc_ids, HIDDEN: hidden}
+        arrays = {k: self._as_numpy(k, v) for k, v in arrays.items()}
+        rows = self._check_arrays(shard, arrays)
+        T, W, C = self.spec.seq_len, self.spec.row_width, self.spec.hidden_chunk_tokens
+        base = shard_key(shard)
+        self.store.delete_prefix(base)  # whatever a crashed writer left
+        self.store.put(f"{base}/zarr.json", group_json({}))
+        jobs: dict[str, list[Future]] = {}
+        for name, dtype in SMALL_ARRAYS.items():
+            self.store.put(f"{base}/{name}/zarr.json", array_json((rows, T), (rows, T), dtype, SMALL_CODEC, {}))
+            jobs[name] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{name}", (0, 0)),
+                                                  np.ascontiguousarray(arrays[name]), self._small_codec)]
+        self.store.put(f"{base}/{HIDDEN}/zarr.json",
+                       array_json((rows, T, W), (1, C, W), "uint16", self.spec.codec,
+                                  {"dtype": self.spec.hidden_dtype, "layer_ids": self.spec.layer_ids}))
+        h = arrays[HIDDEN]
+        jobs[HIDDEN] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{HIDDEN}", (r, c, 0)),
+                                                h[r, c * C:(c + 1) * C], self._hidden_codec)
+                        for r in range(rows) for c in range(T // C)]
+        doc = arrays["doc_ids"]
+        stats = {
+            "rows": rows,
+            "real_tokens": int(np.count_nonzero(doc)),
+            "docs": int(doc.max(axis=1).astype(np.int64).sum()) if rows else 0,
+            "supervised_tokens": int(np.count_nonzero(arrays["loss_mask"])),
+        }
+        crcs, stored = {}, 0
+        for name, futs in jobs.items():
+            res = [f.result() for f in futs]
+            crcs[name] = [c for c, _ in res]
+            stored += sum(n for _, n in res)
+        record = {**stats, "crc32": crcs, "stored_bytes": stored, "writer": self.writer_id,
+                  "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        self.store.put(f"{base}/zarr.json", group_json({COMMIT_KEY: record}))  # the commit: last, atomic
+        with self._lock:
+            self.committed.add(shard)
+            self.bytes_written += stored
+            self.raw_bytes += sum(a.nbytes for a in arrays.values())
+        return record
+
+    def submit_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden,
+                     on_done: Callable[[Future], None] | None = None) -> Future:
+        """Write a shard in the background. The arrays must stay untouched until the future is done."""
+        fut = self._shard_pool.submit(self.write_shard, shard, input_ids, loss_mask, doc_ids, hidden)
+        if on_done is not None:
+            fut.add_done_callback(on_done)
+        self._futures.append(fut)
+        self.raise_errors()
+        return fut
+
+    def raise_errors(self) -> None:
+        """Re-raise the first failed background write (and forget finished ones)."""
+        still = []
+        for f in self._futures:
+            if f.done():
+                f.result()
+            else:
+                still.append(f)
+        self._futures = still
+
+    def wait(self) -> None:
+        for f in list(self._futures):
+            f.result()
+        self._futures = []
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        finally:
+            self._shard_pool.shutdown(wait=True)
+            self._chunk_pool.shutdown(wait=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None:
+            self.close()
+        else:
+            self._shard_pool.shutdown(wait=True, cancel_futures=True)
+            self._chunk_pool.shutdown(wait=True, cancel_futures=True)
