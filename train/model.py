@@ -1,0 +1,664 @@
+"""The DFlash drafter: a block-diffusion draft model conditioned on the target's hidden states.
+
+Method (DFlash, arXiv 2602.06036), in the order the code below follows it:
+
+1. Context. The frozen target runs over the text; K of its layers (ids spread from layer 1 to L-3)
+   are concatenated per token, `h_t in R^{K*H}`. The drafter fuses them once:
+   `c_t = RMSNorm(fc(h_t))`, `fc: K*H -> H` without bias.
+2. Block. To draft after an anchor token x_a (the last token the target has confirmed), the drafter
+   reads a block of B tokens `[x_a, MASK, ..., MASK]` at absolute positions a, a+1, ..., a+B-1 and
+   predicts, in one forward, the token at a+k from slot k (k = 1..B-1). MASK is an unused id of the
+   target vocabulary; block tokens are embedded with the target's frozen embedding table.
+3. Layers. A few Qwen3-style decoder layers (RMSNorm, attention with q/k RMSNorm and RoPE, SwiGLU).
+   In every layer the block's queries attend to keys/values made from the context features
+   (c_t, t < a, projected by that layer's own k_proj/v_proj) followed by the block's own
+   keys/values: context strictly before the anchor, the own block bidirectionally, nothing else.
+4. Output. A final RMSNorm and the target's frozen LM head give logits for slots 1..B-1.
+
+Training packs many blocks per row. For a row of T tokens (several documents, `doc_ids`, 0 = pad)
+we draw N anchors among positions t where t and t+1 are supervised and in the same document, run
+all N blocks in one forward (queries [N*B], keys [T context + N*B block]) under the mask of step 3,
+and minimise cross-entropy on slots 1..B-1 weighted by exp(-(k-1)/gamma), masked where the label
+is outside the anchor's document or not supervised. Positions restart per document, as in the
+target forward that produced the context.
+
+Shapes (R rows, T tokens, K layers, H hidden, N anchors, B block, V vocab):
+    hidden [R, T, K*H] bf16    input_ids/loss_mask/doc_ids [R, T]    anchor_scores [R, T] in [0, 1)
+    -> block tokens [R, N*B], logits [R, N, B-1, V], loss scalar, metrics (all tensors, no host sync)
+
+Checkpoints use the layout DFlash drafters are served from (HF `save_pretrained`: a Qwen3 config
+with `block_size`, `num_target_layers`, `dflash_config {target_layer_ids, mask_token_id}` and
+weights `layers.N.*`, `norm`, `fc`, `hidden_norm`); the embedding and LM head stay the target's.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# --------------------------------------------------------------------------------------------
+# Config
+# --------------------------------------------------------------------------------------------
+
+
+def default_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
+    """K target layer ids spread uniformly from 1 to L-3 (36 layers, K=5 -> [1, 9, 17, 25, 33])."""
+    if k == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    if end < start:
+        raise ValueError(f"a target with {num_target_layers} layers is too shallow for the default layer rule; pass layer ids")
+    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    target_layer_ids: list[int]
+    num_target_layers: int
+    num_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int = 0
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: dict | None = None  # None / {"rope_type": "default"} / llama3 / linear
+    max_position_embeddings: int = 40960
+    sliding_window: int | None = None
+    layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention"
+    attention_bias: bool = False
+
+    def __post_init__(self):
+        if not self.layer_types:
+            self.layer_types = ["full_attention"] * self.num_layers
+        checks = [
+            (self.num_layers >= 1, "num_layers", "must be >= 1"),
+            (self.block_size >= 2, "block_size", "must be >= 2"),
+            (self.num_heads % self.num_kv_heads == 0, "num_kv_heads", f"must divide num_heads={self.num_heads}"),
+            (len(self.layer_types) == self.num_layers, "layer_types", f"needs {self.num_layers} entries"),
+            (all(t in ("full_attention", "sliding_attention") for t in self.layer_types), "layer_types",
+             "entries must be full_attention or sliding_attention"),
+            ("sliding_attention" not in self.layer_types or (self.sliding_window or 0) > 0, "sliding_window",
+             "must be set when a layer is sliding_attention"),
+            (len(self.target_layer_ids) >= 1, "target_layer_ids", "is empty"),
+            (all(0 <= i < self.num_target_layers for i in self.target_layer_ids), "target_layer_ids",
+             f"must lie in [0, {self.num_target_layers - 1}]"),
+            (0 <= self.mask_token_id < self.vocab_size, "mask_token_id", f"must lie in [0, {self.vocab_size - 1}]"),
+        ]
+        for ok, name, msg in checks:
+            if not ok:
+                raise ValueError(f"drafter config: {name} {msg} (got {getattr(self, name)!r})")
+
+    @property
+    def num_context_layers(self) -> int:
+        return len(self.target_layer_ids)
+
+    @classmethod
+    def from_target(cls, hf_config, num_layers: int = 5, layer_ids: list[int] | None = None, block_size: int = 16,
+                    mask_token_id: int = 0, **overrides) -> "DrafterConfig":
+        """A drafter of the target's width (its heads, MLP size, RoPE) with `num_layers` layers."""
+        c = getattr(hf_config, "text_config", hf_config)
+        L = c.num_hidden_layers
+        heads = c.num_attention_heads
+        rope = _rope_of(c)
+        kw = dict(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_heads=heads,
+            num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            vocab_size=c.vocab_size,
+            target_layer_ids=list(layer_ids) if layer_ids is not None else default_layer_ids(L),
+            num_target_layers=L,
+            num_layers=num_layers,
+            block_size=block_size,
+            mask_token_id=mask_token_id,
+            rms_norm_eps=float(getattr(c, "rms_norm_eps", 1e-6)),
+            rope_theta=float(rope.get("rope_theta", 10000.0)),
+            rope_scaling={k: v for k, v in rope.items() if k != "rope_theta"} or None,
+            max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
+        )
+        kw.update(overrides)
+        return cls(**kw)
+
+    @classmethod
+    def named(cls, name: str, **overrides) -> "DrafterConfig":
+        """Named sizes. `tiny` is for CPU tests; `qwen3-8b` is the released 8B drafter's shape."""
+        sizes = {
+            "tiny": dict(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,
+                         vocab_size=512, target_layer_ids=[1, 3], num_target_layers=6, num_layers=2,
+                         block_size=4, mask_token_id=511, rope_theta=10000.0),
+            "qwen3-8b": dict(hidden_size=4096, intermediate_size=12288, num_heads=32, num_kv_heads=8, head_dim=128,
+                             vocab_size=151936, target_layer_ids=[1, 9, 17, 25, 33], num_target_layers=36,
+                             num_layers=5, block_size=16, mask_token_id=151669, rope_theta=1_000_000.0,
+                             max_position_embeddings=40960),
+        }
+        if name not in sizes:
+            raise ValueError(f"unknown drafter size {name!r} (known: {sorted(sizes)})")
+        return cls(**{**sizes[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+def _rope_of(c) -> dict:
+    """RoPE settings of an HF config, for transformers 4.x (rope_theta/rope_scaling) and 5.x (rope_parameters)."""
+    rp = getattr(c, "rope_parameters", None)
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        return dict(rp)
+    out = {"rope_theta": getattr(c, "rope_theta", 10000.0)}
+    rs = getattr(c, "rope_scaling", None)
+    if isinstance(rs, dict):
+        out.update(rs)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks (Qwen3 numerics: norms in float32, RoPE with rotate-half)
+# --------------------------------------------------------------------------------------------
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = cfg.rope_scaling or {}
+    kind = rs.get("rope_type", rs.get("type", "default"))
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv = inv / rs["factor"]
+    elif kind == "llama3":
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen) - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    else:
+        raise ValueError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions [..., L] -> cos, sin [..., L, head_dim] (float32 math, then cast)."""
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, L, d]; cos/sin [b, L, d]."""
+    return x * cos[:, None] + rotate_half(x) * sin[:, None]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig, sliding: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.nh, self.nkv, self.hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        b = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.nh * self.hd, bias=b)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.nkv * self.hd, bias=b)
+        self.o_proj = nn.Linear(self.nh * self.hd, cfg.hidden_size, bias=b)
+        self.q_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.hd, cfg.rms_norm_eps)
+        self.window = cfg.sliding_window if sliding else None
+
+    def kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values of x [b, L, H] at the positions of cos/sin -> [b, nkv, L, hd] each."""
+        b, L, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, L, self.nkv, self.hd)).transpose(1, 2)
+        v = self.v_proj(x).view(b, L, self.nkv, self.hd).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        b, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, L, self.nh, self.hd)).transpose(1, 2)
+        return apply_rope(q, cos, sin)
+
+    def out(self, o: torch.Tensor) -> torch.Tensor:
+        b, _, L, _ = o.shape
+        return self.o_proj(o.transpose(1, 2).reshape(b, L, self.nh * self.hd))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DrafterConfig, sliding: bool):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, sliding)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention over [context | blocks]: dense SDPA mask or flex_attention block mask
+# --------------------------------------------------------------------------------------------
+
+
+def attend(q, k, v, mask, impl: str):
+    """q [b, nh, Lq, d]; k/v [b, nkv, Lk, d]; mask: bool [b, 1, Lq, Lk] (sdpa) or a BlockMask (flex)."""
+    gqa = q.shape[1] != k.shape[1]
+    if impl == "flex":
+        from torch.nn.attention.flex_attention import flex_attention
+
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its document (restarting at 0), [R, T]; no host sync."""
+    R, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(R, T)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - start
+
+
+@dataclass
+class Blocks:
+    """Everything the packed training forward derives from a batch (fixed shapes)."""
+
+    anchors: torch.Tensor  # [R, N] token index of each anchor (sorted)
+    anchor_valid: torch.Tensor  # [R, N] bool
+    tokens: torch.Tensor  # [R, N, B] block input ids
+    positions: torch.Tensor  # [R, N, B] absolute (in-document) positions
+    labels: torch.Tensor  # [R, N, B] token at anchor+k
+    label_valid: torch.Tensor  # [R, N, B] bool (slot 0 never valid)
+    ctx_positions: torch.Tensor  # [R, T]
+    anchor_doc: torch.Tensor  # [R, N]
+
+
+def make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
+                mask_token_id: int) -> Blocks:
+    R, T = input_ids.shape
+    B, dev = block_size, input_ids.device
+    lm = loss_mask.bool()
+    # valid anchor t: t and t+1 supervised, same (real) document
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+    scores = torch.where(valid, anchor_scores.float(), torch.full_like(anchor_scores.float(), -1.0))
+    top = scores.topk(num_anchors, dim=1).indices  # uniform among valid positions (random scores)
+    anchors = top.sort(dim=1).values
+    anchor_valid = valid.gather(1, anchors)
+    k = torch.arange(B, device=dev)
+    idx = anchors[..., None] + k  # [R, N, B]
+    in_row = idx < T
+    idx_c = idx.clamp(max=T - 1)
+    flat = idx_c.view(R, -1)
+    labels = input_ids.gather(1, flat).view(R, -1, B)
+    anchor_doc = doc_ids.gather(1, anchors)
+    same_doc = doc_ids.gather(1, flat).view(R, -1, B) == anchor_doc[..., None]
+    sup = lm.gather(1, flat).view(R, -1, B)
+    label_valid = in_row & same_doc & sup & anchor_valid[..., None] & (k > 0)
+    ctx_pos = document_positions(doc_ids)
+    positions = ctx_pos.gather(1, anchors)[..., None] + k
+    tokens = torch.full_like(labels, mask_token_id)
+    tokens[..., 0] = input_ids.gather(1, anchors)
+    return Blocks(anchors, anchor_valid, tokens, positions, labels, label_valid, ctx_pos, anchor_doc)
+
+
+def dense_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [R, 1, N*B, T + N*B]: context strictly before the own anchor in the own document; own block."""
+    R, T = doc_ids.shape
+    N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
+    qa = blocks.anchors.repeat_interleave(B, dim=1)  # [R, NB] anchor of each query
+    qdoc = blocks.anchor_doc.repeat_interleave(B, dim=1)
+    j = torch.arange(T, device=doc_ids.device)
+    ctx = (j[None, None, :] < qa[..., None]) & (doc_ids[:, None, :] == qdoc[..., None])
+    if window is not None:
+        qpos = blocks.positions.reshape(R, N * B)
+        ctx = ctx & (qpos[..., None] - blocks.ctx_positions[:, None, :] < window)
+    qb = torch.arange(N * B, device=doc_ids.device) // B
+    own = (qb[:, None] == qb[None, :]).expand(R, N * B, N * B)
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, T = doc_ids.shape
+    N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
+    anchors, adoc, ctx_pos = blocks.anchors, blocks.anchor_doc, blocks.ctx_positions
+    qpos = blocks.positions.reshape(R, N * B)
+
+    def mask_mod(b, h, q, kv):
+        n = q // B
+        a = anchors[b, n]
+        kc = torch.clamp(kv, max=T - 1)
+        ctx_ok = (kv < a) & (doc_ids[b, kc] == adoc[b, n])
+        if window is not None:
+            ctx_ok = ctx_ok & (qpos[b, q] - ctx_pos[b, kc] < window)
+        own = (kv - T) // B == n
+        return torch.where(kv < T, ctx_ok, own)
+
+    return create_block_mask(mask_mod, R, None, N * B, T + N * B, device=doc_ids.device)
+
+
+# --------------------------------------------------------------------------------------------
+# The drafter
+# --------------------------------------------------------------------------------------------
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig, attn_impl: str = "sdpa"):
+        super().__init__()
+        self.cfg = cfg
+        self.attn_impl = attn_impl
+        self.layers = nn.ModuleList(Layer(cfg, t == "sliding_attention") for t in cfg.layer_types)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        # The target's embedding and LM head: frozen, never saved with the drafter.
+        self.register_buffer("embed_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
+        self.register_buffer("lm_head_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self, std: float = 0.02, seed: int | None = None):
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                with torch.no_grad():
+                    m.weight.copy_(torch.randn(m.weight.shape, generator=g) * std)
+                    if m.bias is not None:
+                        m.bias.zero_()
+            elif isinstance(m, RMSNorm):
+                nn.init.ones_(m.weight)
+
+    def set_target_head(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor) -> None:
+        """Install the target's (frozen) embedding table and LM head."""
+        V, H = self.cfg.vocab_size, self.cfg.hidden_size
+        for name, w in (("embed", embed_weight), ("lm_head", lm_head_weight)):
+            if tuple(w.shape) != (V, H):
+                raise ValueError(f"target {name} weight has shape {tuple(w.shape)}, the drafter expects {(V, H)}")
+        dtype = self.fc.weight.dtype
+        self.embed_weight = embed_weight.detach().to(self.fc.weight.device, dtype).clone()
+        self.lm_head_weight = lm_head_weight.detach().to(self.fc.weight.device, dtype).clone()
+
+    def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[*, K*H] target hidden states -> [*, H] context features."""
+        return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(x), self.lm_head_weight)
+
+    # -- training: many blocks per packed row ----------------------------------------------------
+    def forward_train(self, hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int,
+                      gamma: float = 7.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        cfg = self.cfg
+        R, T = input_ids.shape
+        B = cfg.block_size
+        input_ids = input_ids.long()
+        doc_ids = doc_ids.long()
+        blocks = make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, B, cfg.mask_token_id)
+        N = blocks.anchors.shape[1]
+        ctx = self.fuse_context(hidden)  # [R, T, H]
+        x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
+        dtype = x.dtype
+        ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype)
+        q_cos, q_sin = rope_cos_sin(self.inv_freq, blocks.positions.view(R, N * B), dtype)
+        make = flex_block_mask if self.attn_impl == "flex" else dense_block_mask
+        masks = {}
+        for layer in self.layers:
+            w = layer.self_attn.window
+            if w not in masks:
+                masks[w] = make(blocks, doc_ids, w)
+            x = self._layer(layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, masks[w])
+        logits = self.logits(x.view(R, N, B, -1)[:, :, 1:])  # [R, N, B-1, V]
+        return block_loss(logits, blocks, gamma)
+
+    def _layer(self, layer: Layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask):
+        att = layer.self_attn
+        h = layer.input_layernorm(x)
+        k_ctx, v_ctx = att.kv(ctx, ctx_cos, ctx_sin)
+        k_blk, v_blk = att.kv(h, q_cos, q_sin)
+        q = att.q(h, q_cos, q_sin)
+        o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, self.attn_impl)
+        x = x + att.out(o)
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    # -- inference: one block after a growing context ---------------------------------------------
+    def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> "ContextCache":
+        device = device or self.fc.weight.device
+        dtype = dtype or self.fc.weight.dtype
+        return ContextCache(len(self.layers), batch, self.cfg.num_kv_heads, max_len, self.cfg.head_dim, device, dtype)
+
+    def extend_context(self, cache: "ContextCache", hidden: torch.Tensor, positions: torch.Tensor) -> None:
+        """Append target hidden states [b, L, K*H] at positions [b, L] to the context cache."""
+        ctx = self.fuse_context(hidden)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        ks, vs = [], []
+        for layer in self.layers:
+            k, v = layer.self_attn.kv(ctx, cos, sin)
+            ks.append(k)
+            vs.append(v)
+        cache.append(ks, vs, positions)
+
+    def draft_block(self, cache: "ContextCache", block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [b, B-1, V] for slots 1..B-1 of the block [b, B] at positions [b, B]."""
+        x = self.embed(block_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        n = cache.length
+        for i, layer in enumerate(self.layers):
+            att = layer.self_attn
+            h = layer.input_layernorm(x)
+            k_blk, v_blk = att.kv(h, cos, sin)
+            q = att.q(h, cos, sin)
+            k_ctx, v_ctx = cache.k[i][:, :, :n], cache.v[i][:, :, :n]
+            mask = None
+            if att.window is not None:  # keys within the window of each query
+                kpos = torch.cat([cache.pos[:, :n], positions], 1)
+                mask = (positions[:, :, None] - kpos[:, None, :] < att.window)[:, None]
+            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, "sdpa")
+            x = x + att.out(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.logits(x[:, 1:])
+
+
+class ContextCache:
+    """Per-layer keys/values of the context features (never of draft blocks), preallocated."""
+
+    def __init__(self, layers, batch, nkv, max_len, hd, device, dtype):
+        self.k = [torch.zeros(batch, nkv, max_len, hd, device=device, dtype=dtype) for _ in range(layers)]
+        self.v = [torch.zeros(batch, nkv, max_len, hd, device=device, dtype=dtype) for _ in range(layers)]
+        self.pos = torch.zeros(batch, max_len, dtype=torch.long, device=device)
+        self.length = 0
+        self.max_len = max_len
+
+    def append(self, ks, vs, positions):
+        L = ks[0].shape[2]
+        if self.length + L > self.max_len:
+            raise ValueError(f"drafter context cache is full ({self.max_len} positions)")
+        s = slice(self.length, self.length + L)
+        for i in range(len(ks)):
+            self.k[i][:, :, s] = ks[i]
+            self.v[i][:, :, s] = vs[i]
+        self.pos[:, s] = positions
+        self.length += L
+
+
+# --------------------------------------------------------------------------------------------
+# The objective and its metrics
+# --------------------------------------------------------------------------------------------
+
+
+def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
+    """[B] weights: 0 for slot 0, exp(-(k-1)/gamma) for slots k >= 1."""
+    k = torch.arange(block_size, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - 1) / gamma)
+    w[0] = 0.0
+    return w
+
+
+def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted CE over slots 1..B-1 plus per-slot accuracy and expected acceptance length (tensors only)."""
+    R, N, Bm1, V = logits.shape
+    labels = blocks.labels[..., 1:]
+    valid = blocks.label_valid[..., 1:]
+    w = slot_weights(Bm1 + 1, gamma, logits.device)[1:]
+    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), reduction="none").view(R, N, Bm1)
+    wv = w * valid.float()
+    denom = wv.sum()
+    loss = (ce * wv).sum() / denom.clamp(min=1e-6)
+    with torch.no_grad():
+        correct = (logits.argmax(-1) == labels) & valid
+        slot_valid = valid.float().sum((0, 1))
+        slot_acc = correct.float().sum((0, 1)) / slot_valid.clamp(min=1)
+        # verification accepts the longest correct prefix: tau = 1 + sum_k prod_{j<=k} correct_j
+        accepted = torch.cumprod(correct.float(), dim=-1).sum(-1)
+        av = blocks.anchor_valid.float()
+        n_blocks = av.sum()
+        tau = 1 + (accepted * av).sum() / n_blocks.clamp(min=1)
+    metrics = {"loss": loss.detach(), "slot_acc": slot_acc, "slot_count": slot_valid, "tau": tau,
+               "blocks": n_blocks, "weight": denom.detach()}
+    return loss, metrics
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints in the servable layout
+# --------------------------------------------------------------------------------------------
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+def servable_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A Qwen3 config dict carrying the DFlash fields, as drafters are served from."""
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": cfg.layer_types,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
+    }
+
+
+def config_from_servable(d: dict[str, Any]) -> DrafterConfig:
+    dc = d.get("dflash_config") or {}
+    rope = d.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or d.get("rope_scaling")
+    if scaling and scaling.get("rope_type", "default") == "default" and len(scaling) == 1:
+        scaling = None
+    L = d["num_hidden_layers"]
+    return DrafterConfig(
+        hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_heads=d["num_attention_heads"],
+        num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"], vocab_size=d["vocab_size"],
+        target_layer_ids=list(dc.get("target_layer_ids") or default_layer_ids(d["num_target_layers"], L)),
+        num_target_layers=d["num_target_layers"], num_layers=L, block_size=d.get("block_size", 16),
+        mask_token_id=dc.get("mask_token_id", 0), rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 40960),
+        sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window")) else None,
+        layer_types=list(d.get("layer_types") or []), attention_bias=d.get("attention_bias", False),
+    )
+
+
+def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()  # buffers (embedding, LM head, rope) are not persistent: never saved
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in sd.items()}
+
+
+def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json + model.safetensors (HF save_pretrained layout) into path."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    name = str(dtype).replace("torch.", "")
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(servable_config(model.cfg, name), f, indent=2)
+    save_file(drafter_state_dict(model, dtype), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> DFlashDrafter:
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
+    with open(cfg_path) as f:
+        cfg = config_from_servable(json.load(f))
+    sd = load_file(os.path.join(path, WEIGHTS_NAME))
+    model = DFlashDrafter(cfg, attn_impl=attn_impl)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    dtype = dtype or next(iter(sd.values())).dtype
+    return model.to(device=device, dtype=dtype)
