@@ -21,9 +21,39 @@ class CleanErrors(click.Group):
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except dflash_cache.CacheError as e:
+        except known_errors() as e:
             click.echo(f"error: {e}", err=True)
             sys.exit(2)
+
+
+def known_errors() -> tuple[type[Exception], ...]:
+    from dflash.config import ConfigError
+    from extract.data import DataError
+    from extract.target import TargetError
+
+    return (dflash_cache.CacheError, ConfigError, DataError, TargetError)
+
+
+def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
+    """The --gpus convenience: re-run this command under torchrun on those GPUs (returns True if it did)."""
+    if not gpus:
+        return False
+    from dflash.dist import launch_torchrun, under_torchrun
+
+    if under_torchrun():
+        raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
+    argv, skip = [], False
+    for a in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if a == "--gpus":
+            skip = True
+            continue
+        if a.startswith("--gpus="):
+            continue
+        argv.append(a)
+    sys.exit(launch_torchrun("dflash", argv, gpus))
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -105,6 +135,52 @@ def cache_verify(path, threads):
     if not rep.ok:
         sys.exit(1)
     click.echo("OK")
+
+
+@main.command()
+@click.option("--target", help="The frozen target: a local HF model directory or a .gguf file.")
+@click.option("--data", help="Chat data: a json/jsonl/parquet file, a glob, a directory, or a save_to_disk dataset "
+              "(OpenAI `messages` or ShareGPT `conversations`).")
+@click.option("--out", help="Where to write the cache (a directory or an fsspec URL).")
+@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@click.option("--split", help="Dataset split.  [default: train]")
+@click.option("--max-samples", type=int, help="Use only the first N conversations.")
+@click.option("--seq-len", type=int, help="Row length T: conversations are packed into rows of exactly T tokens.  [default: 2048]")
+@click.option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.  [default: DFlash's rule, K from 1 to L-3]")
+@click.option("--num-context-layers", type=int, help="K for the default layer rule.  [default: 5]")
+@click.option("--rows-per-shard", type=int, help="Rows per committed shard.  [default: ~512 MB of hidden states]")
+@click.option("--batch-rows", type=int, help="Rows per target forward.  [default: ~16k tokens]")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
+@click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.  [default: flex on GPU, sdpa on CPU]")
+@click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: lz4]")
+@click.option("--writer-threads", type=int, help="Threads that compress and write shards.  [default: 8]")
+@click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
+@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
+@click.option("--overwrite", is_flag=True, default=None, help="Replace an existing cache written with other settings.")
+@click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
+@click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3,4).")
+@click.option("--json", "json_out", help="Also write the run summary to this JSON file.")
+def extract(preset, gpus, json_out, **flags):
+    """Run the frozen target over chat data and write its hidden states to a cache.
+
+    Conversations are tokenised with the target's chat template (loss mask = assistant tokens),
+    packed into rows of exactly T tokens, and the K captured layers are written as committed
+    shards. Rerunning the same command resumes; a changed setting is an error unless --overwrite.
+
+    \b
+    Multi-GPU:  torchrun --nproc-per-node 5 -m dflash extract ...   (or --gpus 0,1,2,3,4)
+    """
+    relaunch_with_gpus(gpus, "extract")
+    from dflash.config import build, parse_int_list, parse_kv
+    from extract.run import ExtractConfig, run_extract
+
+    flags["layers"] = parse_int_list(flags["layers"], "layers")
+    flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
+    cfg = build(ExtractConfig, preset, "extract", flags)
+    summary = run_extract(cfg)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_default_layer_rule():
     assert default_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_layer_ids(30) == [1, 8, 14, 20, 27]
     assert default_layer_ids(36, 1) == [18]
+    assert default_layer_ids(6) == [1, 2, 3]  # too shallow for 5 distinct ids
 
 
 def test_config_errors_name_the_field():

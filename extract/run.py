@@ -1,0 +1,245 @@
+"""`dflash extract`: chat data -> packed rows of T tokens -> frozen target -> committed cache shards.
+
+One process per GPU (torchrun); shard s belongs to global rank s % world, so `--nnodes` spreads a
+job over machines that share the cache's filesystem or object store. Every rank tokenises and
+packs the whole dataset identically (deterministic), then runs only its shards.
+
+The GPU never waits on the disk: each forward writes the captured layers into one of two device
+buffers; a side stream copies it asynchronously into a pinned host buffer (one per shard in
+flight); when a shard's last copy has landed (polled with event.query() from this, the only
+CUDA thread), the shard goes to the cache writer, whose threads compress, checksum and write it.
+The main thread blocks only when every host buffer is still being written (disk-bound).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+import dflash_cache
+from dflash import progress
+from dflash.config import check
+from dflash.dist import barrier, compute_init, print0
+from dflash_cache import CacheSpec, CacheWriter
+
+from .data import (
+    ChatTokenizer,
+    data_fingerprint,
+    load_chat_dataset,
+    tokenize_dataset,
+    tokenizer_fingerprint,
+)
+from .pack import materialize, pack, pack_stats
+from .target import PackedTarget, load_config, load_tokenizer, target_info, text_config, validate_layer_ids
+
+
+@dataclass
+class ExtractConfig:
+    target: str = ""
+    data: str = ""
+    out: str = ""
+    split: str = "train"
+    max_samples: int | None = None
+    seq_len: int = 2048
+    layers: list[int] | None = None  # None: DFlash's rule (num_context_layers ids from 1 to L-3)
+    num_context_layers: int = 5
+    rows_per_shard: int = 0  # 0: about 512 MB of hidden states per shard
+    batch_rows: int = 0  # rows per target forward; 0: ~16k tokens
+    dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
+    attn: str = "auto"  # flex (GPU) or sdpa
+    codec: str = "lz4"
+    writer_threads: int = 8
+    host_buffers: int = 3
+    chat_template: str | None = None
+    chat_template_kwargs: dict = field(default_factory=dict)
+    overwrite: bool = False
+    device: str = "auto"
+    progress: bool = True
+
+    def __post_init__(self):
+        check(bool(self.target), "target", "is required (a local HF model directory or .gguf file)")
+        check(bool(self.data), "data", "is required (a json/jsonl/parquet file, a directory, or a save_to_disk dataset)")
+        check(bool(self.out), "out", "is required (the cache path or URL)")
+        check(self.seq_len >= 16, "seq_len", f"must be >= 16, got {self.seq_len}")
+        check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be positive")
+        check(self.num_context_layers >= 1, "num_context_layers", "must be >= 1")
+        check(self.rows_per_shard >= 0 and self.batch_rows >= 0, "rows_per_shard", "must be >= 0")
+        check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
+        check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
+        check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
+        check(self.writer_threads >= 1 and self.host_buffers >= 1, "writer_threads", "must be >= 1")
+
+
+def plan_sizes(cfg: ExtractConfig, row_bytes: int) -> tuple[int, int]:
+    """(batch_rows, rows_per_shard): ~16k tokens per forward, ~512 MB per shard, shard = whole batches."""
+    batch = cfg.batch_rows or max(1, 16384 // cfg.seq_len)
+    if cfg.rows_per_shard:
+        return min(batch, cfg.rows_per_shard), cfg.rows_per_shard
+    return batch, batch * max(1, round((512 << 20) / (batch * row_bytes)))
+
+
+def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
+    dist = compute_init(cfg.device)
+    dev = dist.device
+    dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
+             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    attn = cfg.attn if cfg.attn != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
+    show = cfg.progress and dist.is_main
+
+    # 1. what to capture
+    hf_cfg = load_config(cfg.target)
+    tc = text_config(hf_cfg)
+    if cfg.layers is not None:
+        layer_ids = validate_layer_ids(cfg.layers, tc.num_hidden_layers, cfg.target)
+    else:
+        from train.model import default_layer_ids
+
+        layer_ids = validate_layer_ids(default_layer_ids(tc.num_hidden_layers, cfg.num_context_layers),
+                                       tc.num_hidden_layers, cfg.target)
+    H = tc.hidden_size
+
+    # 2. the data, tokenised with the target's chat template and packed (identically on every rank)
+    tokenizer = load_tokenizer(cfg.target)
+    chat_tok = ChatTokenizer(tokenizer, cfg.chat_template_kwargs, chat_template=cfg.chat_template)
+    ds = load_chat_dataset(cfg.data, split=cfg.split, max_samples=cfg.max_samples)
+    data = tokenize_dataset(ds, chat_tok, cfg.seq_len, source=cfg.data, progress=show)
+    lengths = data.lengths
+    plan = pack(lengths, cfg.seq_len)
+    pstats = pack_stats(plan, lengths, cfg.seq_len)
+    row_bytes = cfg.seq_len * len(layer_ids) * H * 2
+    batch_rows, rows_per_shard = plan_sizes(cfg, row_bytes)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+
+    # 3. the cache (rank 0 creates or checks it; a changed setting is an error unless --overwrite)
+    info = {
+        "target": target_info(cfg.target, hf_cfg).as_dict(),
+        "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
+        "chat_template_fingerprint": chat_tok.fingerprint,
+        "data_fingerprint": data_fingerprint(data),
+        "data": {"path": os.path.abspath(cfg.data), "split": cfg.split, "max_samples": cfg.max_samples,
+                 **data.counts(), "packing_padding_fraction": round(pstats.padding_fraction, 6)},
+        "extraction": {"dtype": str(dtype).replace("torch.", ""), "attn": attn, "pad_id": int(pad_id)},
+        "run": {"batch_rows": batch_rows, "world": dist.world, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+    }
+    spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
+                     rows_per_shard=rows_per_shard, codec=cfg.codec, info=info)
+    if dist.is_main:
+        writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=cfg.writer_threads,
+                             writer_id=f"rank{dist.rank}")
+    barrier()
+    if not dist.is_main:
+        writer = CacheWriter(cfg.out, spec, threads=cfg.writer_threads, writer_id=f"rank{dist.rank}")
+    mine = [s for s in range(spec.num_shards) if s % dist.world == dist.rank]
+    todo = [s for s in mine if s not in writer.committed]
+    print0(f"extract: {data.summary()}")
+    print0(f"extract: {len(plan)} rows of {cfg.seq_len} tokens ({100 * pstats.padding_fraction:.2f}% padding), "
+           f"{spec.num_shards} shards of {rows_per_shard} rows; layers {layer_ids} of {tc.num_hidden_layers}; "
+           f"{len(mine) - len(todo)} of this rank's {len(mine)} shards already committed")
+
+    t0 = time.perf_counter()
+    done_tokens = 0
+    if todo:
+        target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
+        done_tokens = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer, batch_rows, dev, show)
+    writer.close()
+    elapsed = time.perf_counter() - t0
+    barrier()
+    summary = {
+        "rows": len(plan), "shards": spec.num_shards, "layer_ids": layer_ids, "seq_len": cfg.seq_len,
+        "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed,
+        "tokens_this_rank": done_tokens, "tokens_per_s_this_rank": done_tokens / elapsed if elapsed > 0 else 0.0,
+        "bytes_written_this_rank": writer.bytes_written, "raw_bytes_this_rank": writer.raw_bytes,
+    }
+    if dist.is_main:
+        c = dflash_cache.open(cfg.out, allow_incomplete=True)
+        summary.update(cache_complete=c.complete, real_tokens=c.real_tokens)
+        print0(f"extract: wrote {done_tokens:,} real tokens on rank 0 in {elapsed:.1f} s "
+               f"({summary['tokens_per_s_this_rank']:,.0f} tok/s); cache {'complete' if c.complete else 'INCOMPLETE'}: "
+               f"{len(c)} rows, {c.real_tokens:,} real tokens -> {cfg.out}")
+    return summary
+
+
+def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> int:
+    T, W = spec.seq_len, spec.row_width
+    cuda = dev.type == "cuda"
+    free: queue.Queue[int] = queue.Queue()
+    slots = [torch.empty(spec.rows_per_shard, T, W, dtype=torch.bfloat16, pin_memory=cuda) for _ in range(cfg.host_buffers)]
+    for i in range(len(slots)):
+        free.put(i)
+    gbufs = [torch.empty(batch_rows, T, W, dtype=torch.bfloat16, device=dev) for _ in range(2 if cuda else 1)]
+    copy_stream = torch.cuda.Stream(dev) if cuda else None
+    copied: list[torch.cuda.Event | None] = [None] * len(gbufs)
+    pending: list[tuple[int, int, dict, Any]] = []  # (shard, slot, arrays, event of its last copy)
+    total = sum(len(docs[d][0]) for s in todo for r in _row_range(spec, s) for d in plan[r])
+    bar = progress.bar(show, total=total, unit="tok", unit_scale=True, desc="extract", smoothing=0.05)
+    done = 0
+    nbatch = 0
+
+    def submit(item):
+        shard, slot, arrays, _ = item
+        n = arrays["input_ids"].shape[0]
+        writer.submit_shard(shard, arrays["input_ids"], arrays["loss_mask"], arrays["doc_ids"], slots[slot][:n],
+                            on_done=lambda fut, slot=slot: free.put(slot))
+
+    def flush(block: bool):
+        while pending and (block or pending[0][3] is None or pending[0][3].query()):
+            if pending[0][3] is not None:
+                pending[0][3].synchronize()
+            submit(pending.pop(0))
+
+    try:
+        for shard in todo:
+            start, n = spec.shard_rows(shard)
+            arrays = materialize(plan, docs, T, pad_id, start, start + n)
+            flush(block=False)
+            try:
+                slot = free.get_nowait()
+            except queue.Empty:
+                flush(block=True)
+                while True:  # the writer is behind (disk-bound): wait for a buffer, surfacing write errors
+                    writer.raise_errors()
+                    try:
+                        slot = free.get(timeout=1.0)
+                        break
+                    except queue.Empty:
+                        continue
+            host = slots[slot]
+            for i in range(0, n, batch_rows):
+                j = min(n, i + batch_rows)
+                ids = torch.from_numpy(arrays["input_ids"][i:j]).to(dev, torch.long, non_blocking=True)
+                pos = torch.from_numpy(arrays["position_ids"][i:j]).to(dev, torch.long, non_blocking=True)
+                doc = torch.from_numpy(arrays["doc_ids"][i:j]).to(dev, torch.long, non_blocking=True)
+                b = nbatch % len(gbufs)
+                if cuda and copied[b] is not None:
+                    torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
+                out = gbufs[b][: j - i]
+                target.run(ids, pos, doc, out)
+                if cuda:
+                    ready = torch.cuda.current_stream(dev).record_event()
+                    copy_stream.wait_event(ready)
+                    with torch.cuda.stream(copy_stream):
+                        host[i:j].copy_(out, non_blocking=True)
+                        copied[b] = copy_stream.record_event()
+                else:
+                    host[i:j].copy_(out)
+                nbatch += 1
+                real = int(np.count_nonzero(arrays["doc_ids"][i:j]))
+                done += real
+                bar.update(real)
+            pending.append((shard, slot, arrays, copied[(nbatch - 1) % len(gbufs)] if cuda else None))
+        flush(block=True)
+        writer.wait()
+    finally:
+        bar.close()
+    return done
+
+
+def _row_range(spec: CacheSpec, shard: int) -> range:
+    start, n = spec.shard_rows(shard)
+    return range(start, start + n)
