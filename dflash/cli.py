@@ -31,7 +31,9 @@ def known_errors() -> tuple[type[Exception], ...]:
     from extract.data import DataError
     from extract.target import TargetError
 
-    return (dflash_cache.CacheError, ConfigError, DataError, TargetError)
+    from train.trainer import TrainError
+
+    return (dflash_cache.CacheError, ConfigError, DataError, TargetError, TrainError)
 
 
 def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
@@ -181,6 +183,58 @@ def extract(preset, gpus, json_out, **flags):
     if json_out:
         with open(json_out, "w") as f:
             json.dump(summary, f, indent=2, default=str)
+
+
+@main.command()
+@click.option("--cache", help="The hidden-state cache written by `dflash extract` (never modified).")
+@click.option("--target", help="The target the cache came from (only its embedding, LM head, config and tokenizer are loaded).")
+@click.option("--out", help="The run directory: checkpoints, metrics.jsonl, summary.json and final/ (the servable drafter).")
+@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@click.option("--max-steps", type=int, help="Optimizer steps to train for.")
+@click.option("--epochs", type=float, help="Epochs over the cache (instead of --max-steps).  [default: 1]")
+@click.option("--drafter-layers", type=int, help="Drafter decoder layers.  [default: 5]")
+@click.option("--block-size", type=int, help="Block size B: the anchor plus B-1 drafted tokens.  [default: 16]")
+@click.option("--num-anchors", type=int, help="Blocks per row.  [default: 512]")
+@click.option("--gamma", type=float, help="Slot k weighs exp(-(k-1)/gamma).  [default: 7]")
+@click.option("--batch-rows", type=int, help="Rows per micro-batch per GPU.  [default: 4]")
+@click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.  [default: 1]")
+@click.option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).  [default: 6e-4]")
+@click.option("--warmup-ratio", type=float, help="Fraction of steps for linear warm-up.  [default: 0.04]")
+@click.option("--min-lr-ratio", type=float, help="Final lr as a fraction of the peak.  [default: 0]")
+@click.option("--weight-decay", type=float, help="AdamW weight decay.  [default: 0.01]")
+@click.option("--grad-clip", type=float, help="Gradient-norm clip.  [default: 1.0]")
+@click.option("--mask-token-id", type=int, help="Mask token id.  [default: an unused id of the target's vocabulary]")
+@click.option("--seed", type=int, help="Seed for init, data order and anchors.  [default: 0]")
+@click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="Compiled CUDA-graph step (off = eager).  [default: on for GPU, off for CPU]")
+@click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Attention.  [default: flex on GPU, sdpa on CPU]")
+@click.option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.  [default: bf16 on GPU, fp32 on CPU]")
+@click.option("--log-every", type=int, help="Steps between metric logs (the only host syncs).  [default: 10]")
+@click.option("--save-every", type=int, help="Steps between checkpoints.  [default: 500]")
+@click.option("--loader-threads", type=int, help="Cache decoding threads.  [default: 4]")
+@click.option("--wandb-project", help="Log to this wandb project (rank 0).  [default: off]")
+@click.option("--wandb-run-name", help="wandb run name.")
+@click.option("--wandb-mode", type=click.Choice(["online", "offline", "disabled"]), help="wandb mode (offline needs no account).")
+@click.option("--overwrite", is_flag=True, default=None, help="Start over in an --out that holds another run.")
+@click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
+@click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 5,6,7).")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def train(preset, gpus, no_progress, **flags):
+    """Train a DFlash drafter from a hidden-state cache.
+
+    Resumes automatically when --out holds checkpoints of the same run (model, optimizer,
+    schedule, data position and anchor randomness are restored exactly).
+
+    \b
+    Multi-GPU:  torchrun --nproc-per-node 3 -m dflash train ...   (or --gpus 5,6,7)
+    """
+    relaunch_with_gpus(gpus, "train")
+    from dflash.config import build
+    from train.trainer import TrainConfig, run_train
+
+    if no_progress:
+        flags["progress"] = False
+    cfg = build(TrainConfig, preset, "train", flags)
+    run_train(cfg)
 
 
 if __name__ == "__main__":

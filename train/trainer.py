@@ -1,0 +1,588 @@
+"""`dflash train`: fixed-shape batches from the cache -> compiled CUDA-graph steps -> servable drafter.
+
+One process per GPU under torchrun (data parallel: every rank holds the whole drafter, reads a
+disjoint part of each epoch, and gradients are averaged with one all-reduce per step); a single
+process on CPU for tests and the demo.
+
+The step (nothing in it syncs with the host or changes shape):
+    for each of grad_accum micro-batches:
+        mark the CUDA-graph step; loss, metrics = compiled forward (anchors drawn on the device)
+        loss.backward()                           # the compiled backward: also a CUDA graph
+        copy/add the grads into one flat buffer, drop them (they live in the graph's memory pool)
+        add the metrics (cloned) into device accumulators
+    all-reduce the flat buffer (ranks > 1); clip; fused AdamW with a tensor learning rate
+The host reads the accumulators only every --log-every steps (one sync), which is also where a
+non-finite loss is caught; checkpoints are written only after such a check, so the last one is
+always good. Anchor randomness is a function of (seed, step, rank): a resumed run draws exactly
+what an uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+import dflash_cache
+from dflash import progress
+from dflash.config import ConfigError, check
+from dflash.dist import barrier, compute_init, print0
+
+from .model import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
+
+H200_PEAK_BF16 = 989e12  # dense bf16 FLOP/s, datasheet (measured here: ~790e12 on an 8192^3 matmul)
+
+
+class TrainError(Exception):
+    """A run that cannot proceed; the message says why and what to do."""
+
+
+class NonFiniteLoss(TrainError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    cache: str = ""
+    target: str = ""
+    out: str = ""
+    # drafter
+    drafter_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int | None = None
+    # objective
+    num_anchors: int = 512
+    gamma: float = 7.0
+    # batches and schedule
+    batch_rows: int = 4
+    grad_accum: int = 1
+    max_steps: int | None = None
+    epochs: float | None = None
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    # execution
+    device: str = "auto"
+    param_dtype: str = "auto"  # bfloat16 on GPU (as the peers), float32 on CPU
+    attn: str = "auto"  # flex on GPU, sdpa on CPU
+    compile: str = "auto"  # on (GPU), off (CPU), or force either
+    loader_threads: int = 4
+    prefetch: int = 4
+    # bookkeeping
+    log_every: int = 10
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    overwrite: bool = False
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None  # online / offline
+    progress: bool = True
+
+    def __post_init__(self):
+        check(bool(self.cache), "cache", "is required (a cache written by `dflash extract`)")
+        check(bool(self.target), "target", "is required (the same target model the cache was extracted from)")
+        check(bool(self.out), "out", "is required (the run directory)")
+        check(self.drafter_layers >= 1, "drafter_layers", f"must be >= 1, got {self.drafter_layers}")
+        check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+        check(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
+        check(self.gamma > 0, "gamma", "must be > 0")
+        check(self.batch_rows >= 1, "batch_rows", f"must be >= 1, got {self.batch_rows}")
+        check(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
+        check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
+        check(self.epochs is None or self.epochs > 0, "epochs", "must be > 0")
+        check(not (self.max_steps and self.epochs), "max_steps", "and --epochs are exclusive: give one")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(self.grad_clip > 0, "grad_clip", "must be > 0")
+        check(self.param_dtype in ("auto", "bfloat16", "float32"), "param_dtype", "must be auto, bfloat16 or float32")
+        check(self.attn in ("auto", "flex", "sdpa"), "attn", "must be auto, flex or sdpa")
+        check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
+        check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
+        check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
+
+
+# Settings that define a run: rerunning into RUN with other values is an error unless --overwrite.
+IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", "num_anchors", "gamma", "batch_rows",
+            "grad_accum", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
+            "param_dtype", "attn")
+
+
+# --------------------------------------------------------------------------------------------
+# Target pieces: embedding, LM head, mask token
+# --------------------------------------------------------------------------------------------
+
+
+def load_target_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embedding weight, LM head weight) of the target, reading only those tensors when possible."""
+    from extract.target import load_causal_lm, load_config, resolve_target, text_config
+
+    d, gguf = resolve_target(path)
+    cfg = text_config(load_config(path))
+    if gguf is None:
+        from safetensors import safe_open
+
+        index = os.path.join(d, "model.safetensors.index.json")
+        files = {}
+        if os.path.exists(index):
+            with open(index) as f:
+                files = json.load(f)["weight_map"]
+        elif os.path.exists(os.path.join(d, "model.safetensors")):
+            with safe_open(os.path.join(d, "model.safetensors"), "pt") as f:
+                files = {k: "model.safetensors" for k in f.keys()}
+
+        def get(names):
+            for n in names:
+                if n in files:
+                    with safe_open(os.path.join(d, files[n]), "pt") as f:
+                        return f.get_tensor(n)
+            return None
+
+        emb = get(["model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight"])
+        head = get(["lm_head.weight", "model.lm_head.weight"])
+        if emb is not None and (head is not None or cfg.tie_word_embeddings):
+            return emb, head if head is not None else emb
+    model = load_causal_lm(path, dtype=torch.float32)
+    return model.get_input_embeddings().weight.detach(), model.get_output_embeddings().weight.detach()
+
+
+def resolve_mask_token_id(tokenizer, vocab_size: int, override: int | None) -> int:
+    """An id the target never produces: the first embedding row beyond the tokenizer (Qwen3: 151669),
+    else a reserved special token that the chat template does not use; --mask-token-id overrides."""
+    if override is not None:
+        if not 0 <= override < vocab_size:
+            raise ConfigError(f"--mask-token-id {override} is outside the target vocabulary [0, {vocab_size})")
+        return override
+    n = len(tokenizer)
+    if vocab_size > n:
+        return n
+    template = str(getattr(tokenizer, "chat_template", "") or "")
+    used = {tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
+    special = {int(i): t.content for i, t in getattr(tokenizer, "added_tokens_decoder", {}).items() if t.special}
+    special.update({i: tokenizer.convert_ids_to_tokens(i) for i in tokenizer.all_special_ids})
+    cands = [i for i, tok in sorted(special.items()) if i not in used and tok and tok not in template and i < vocab_size]
+    if not cands:
+        raise ConfigError(f"the target's vocabulary ({vocab_size}) has no unused id for the mask token; pass --mask-token-id")
+    return cands[-1]
+
+
+# --------------------------------------------------------------------------------------------
+# Schedule and FLOPs
+# --------------------------------------------------------------------------------------------
+
+
+def lr_at(step: int, total: int, cfg: TrainConfig) -> float:
+    """Linear warm-up to lr, then cosine down to lr * min_lr_ratio (step counts from 0)."""
+    warm = max(1, int(round(cfg.warmup_ratio * total))) if cfg.warmup_ratio > 0 else 0
+    if step < warm:
+        return cfg.lr * (step + 1) / warm
+    t = (step - warm) / max(1, total - warm)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, t))))
+
+
+def step_flops(c: DrafterConfig, rows: int, seq_len: int, anchors: int) -> float:
+    """Matmul FLOPs of one training step on `rows` rows: trainable drafter x3, frozen LM head x2."""
+    H, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    blk = rows * anchors * c.block_size
+    ctx = rows * seq_len
+    per_layer_blk = 2 * H * q * 2 + 2 * H * kv * 2 + 3 * 2 * H * c.intermediate_size
+    per_layer_ctx = 2 * H * kv * 2
+    drafter = c.num_layers * (blk * per_layer_blk + ctx * per_layer_ctx) + ctx * 2 * c.num_context_layers * H * H
+    head = rows * anchors * (c.block_size - 1) * 2 * H * c.vocab_size
+    return 3 * drafter + 2 * head
+
+
+# --------------------------------------------------------------------------------------------
+# Run directory, checkpoints
+# --------------------------------------------------------------------------------------------
+
+
+def _atomic_json(path: str, obj: Any) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> None:
+    """RUN/run.json must describe the same run (else error, or wipe with --overwrite)."""
+    path = os.path.join(cfg.out, "run.json")
+    if os.path.exists(path):
+        with open(path) as f:
+            old = json.load(f).get("config", {})
+        for k in IDENTITY:
+            if json.dumps(old.get(k)) != json.dumps(resolved.get(k)):
+                if cfg.overwrite:
+                    shutil.rmtree(cfg.out)
+                    break
+                raise TrainError(f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
+                                 f"{resolved.get(k)!r}; use another --out, or --overwrite to start over")
+    elif os.path.isdir(cfg.out) and os.listdir(cfg.out) and not cfg.overwrite:
+        raise TrainError(f"{cfg.out} exists and is not a dflash run directory; use another --out or --overwrite")
+    elif cfg.overwrite and os.path.isdir(cfg.out):
+        shutil.rmtree(cfg.out)
+    os.makedirs(os.path.join(cfg.out, "checkpoints"), exist_ok=True)
+    _atomic_json(path, {"config": resolved, "dflash": "train"})
+
+
+def latest_checkpoint(out: str) -> str | None:
+    p = os.path.join(out, "checkpoints", "latest")
+    if not os.path.exists(p):
+        return None
+    with open(p) as f:
+        name = f.read().strip()
+    full = os.path.join(out, "checkpoints", name)
+    return full if os.path.exists(os.path.join(full, "trainer.json")) else None
+
+
+def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.Optimizer, state: dict, keep: int) -> str:
+    """RUN/checkpoints/step_N (written under a temporary name, then renamed), then `latest` points to it."""
+    ck = os.path.join(out, "checkpoints")
+    name = f"step_{step:08d}"
+    tmp = os.path.join(ck, name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    save_drafter(model, tmp, dtype=next(model.parameters()).dtype)
+    torch.save(opt.state_dict(), os.path.join(tmp, "optimizer.pt"))
+    _atomic_json(os.path.join(tmp, "trainer.json"), state)
+    final = os.path.join(ck, name)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    with open(os.path.join(ck, "latest.tmp"), "w") as f:
+        f.write(name)
+    os.replace(os.path.join(ck, "latest.tmp"), os.path.join(ck, "latest"))
+    olds = sorted(d for d in os.listdir(ck) if d.startswith("step_") and not d.endswith(".tmp"))
+    for d in olds[:-keep]:
+        shutil.rmtree(os.path.join(ck, d), ignore_errors=True)
+    return final
+
+
+# --------------------------------------------------------------------------------------------
+# wandb (rank 0 only, optional, offline works without an account)
+# --------------------------------------------------------------------------------------------
+
+
+class _NoLog:
+    def log(self, *a, **k):
+        pass
+
+    def finish(self):
+        pass
+
+
+def init_wandb(cfg: TrainConfig, resolved: dict, is_main: bool):
+    if not cfg.wandb_project or not is_main:
+        return _NoLog()
+    if cfg.wandb_mode:
+        os.environ["WANDB_MODE"] = cfg.wandb_mode
+    try:
+        import wandb
+    except ImportError as e:
+        raise TrainError("--wandb-project needs the wandb package (pip install wandb)") from e
+    return wandb.init(project=cfg.wandb_project, name=cfg.wandb_run_name, config=resolved, dir=cfg.out)
+
+
+# --------------------------------------------------------------------------------------------
+# The trainer
+# --------------------------------------------------------------------------------------------
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.dist = compute_init(cfg.device)
+        dev = self.dev = self.dist.device
+        self.cuda = dev.type == "cuda"
+        self.param_dtype = {"auto": torch.bfloat16 if self.cuda else torch.float32, "bfloat16": torch.bfloat16,
+                            "float32": torch.float32}[cfg.param_dtype]
+        self.attn = cfg.attn if cfg.attn != "auto" else ("flex" if self.cuda else "sdpa")
+        self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.cuda)
+
+        from extract.target import load_config, load_tokenizer, target_info, text_config
+
+        hf = load_config(cfg.target)
+        tc = text_config(hf)
+        tinfo = target_info(cfg.target, hf)
+        expect = {"hidden_size": tc.hidden_size, "target.config_hash": tinfo.config_hash}
+        try:
+            self.cache = dflash_cache.open(cfg.cache, expect=expect, threads=cfg.loader_threads)
+        except dflash_cache.CacheMismatchError as e:
+            raise TrainError(f"the cache does not belong to --target {cfg.target}: {e}") from e
+        cache = self.cache
+        tok = load_tokenizer(cfg.target)
+        mask_id = resolve_mask_token_id(tok, tc.vocab_size, cfg.mask_token_id)
+        self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.layer_ids,
+                                              block_size=cfg.block_size, mask_token_id=mask_id)
+        T = cache.seq_len
+        if cfg.num_anchors >= T:
+            raise ConfigError(f"--num-anchors {cfg.num_anchors} does not fit rows of {T} tokens (at most {T - 1})")
+        if cfg.batch_rows * self.dist.world > len(cache):
+            raise ConfigError(f"--batch-rows {cfg.batch_rows} x {self.dist.world} ranks needs at least "
+                              f"{cfg.batch_rows * self.dist.world} rows; the cache has {len(cache)}")
+        self.spe = cache.steps_per_epoch(cfg.batch_rows, self.dist.world)  # micro-batches per epoch per rank
+        if cfg.max_steps:
+            self.total_steps = cfg.max_steps
+        else:
+            self.total_steps = max(1, int(math.ceil((cfg.epochs or 1.0) * self.spe / cfg.grad_accum)))
+
+        self.resolved = {**asdict(cfg), "cache": os.path.abspath(cfg.cache) if "://" not in cfg.cache else cfg.cache,
+                         "target": os.path.abspath(cfg.target), "mask_token_id": mask_id,
+                         "param_dtype": str(self.param_dtype).replace("torch.", ""), "attn": self.attn,
+                         "drafter": self.dcfg.to_dict(), "world": self.dist.world, "total_steps": self.total_steps,
+                         "cache_data_fingerprint": cache.metadata.get("info", {}).get("data_fingerprint")}
+        if self.dist.is_main:
+            check_run_dir(cfg, self.resolved)
+        barrier()
+
+        torch.manual_seed(cfg.seed)
+        self.model = DFlashDrafter(self.dcfg, attn_impl=self.attn)
+        self.model.reset_parameters(seed=cfg.seed)
+        self.model.to(dev, self.param_dtype)
+        emb, head = load_target_head(cfg.target)
+        self.model.set_target_head(emb, head)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        n = sum(p.numel() for p in self.params)
+        self.grad_buf = torch.zeros(n, dtype=self.param_dtype, device=dev)
+        self.grad_views, off = [], 0
+        for p in self.params:
+            self.grad_views.append(self.grad_buf[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        self.lr_t = torch.tensor(cfg.lr, dtype=torch.float32, device=dev)
+        self.opt = torch.optim.AdamW(self.params, lr=self.lr_t, betas=(cfg.beta1, cfg.beta2),
+                                     weight_decay=cfg.weight_decay, fused=True)
+        self.step = 0
+        ck = latest_checkpoint(cfg.out)
+        if ck:
+            self._restore(ck)
+        fwd = self.model.forward_train
+        if self.compiled:
+            mode = "reduce-overhead" if self.cuda else None
+            fwd = torch.compile(fwd, mode=mode, dynamic=False, fullgraph=True)
+        self.fwd = fwd
+        self.nparams = n
+        self.flops = step_flops(self.dcfg, cfg.batch_rows * cfg.grad_accum, T, cfg.num_anchors)
+        self.gen = torch.Generator(device=dev)
+
+    def _restore(self, ck: str) -> None:
+        from safetensors.torch import load_file
+
+        sd = load_file(os.path.join(ck, "model.safetensors"), device=str(self.dev))
+        self.model.load_state_dict(sd, strict=False)
+        self.opt.load_state_dict(torch.load(os.path.join(ck, "optimizer.pt"), map_location=self.dev, weights_only=True))
+        for g in self.opt.param_groups:  # keep our lr tensor (the schedule writes into it)
+            g["lr"] = self.lr_t
+        with open(os.path.join(ck, "trainer.json")) as f:
+            st = json.load(f)
+        self.step = int(st["step"])
+        metrics = os.path.join(self.cfg.out, "metrics.jsonl")
+        if self.dist.is_main and os.path.exists(metrics):  # drop records logged after the checkpoint we resume from
+            with open(metrics) as f:
+                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= self.step]
+            with open(metrics + ".tmp", "w") as f:
+                f.writelines(keep)
+            os.replace(metrics + ".tmp", metrics)
+        print0(f"train: resumed from {ck} at step {self.step}")
+
+    # -- data ---------------------------------------------------------------------------------
+    def micro_batches(self, start_micro: int):
+        """Endless micro-batches from micro-step `start_micro` on, epoch after epoch."""
+        cfg, d = self.cfg, self.dist
+        m = start_micro
+        while True:
+            epoch, within = divmod(m, self.spe)
+            for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
+                                        start_step=within, prefetch=cfg.prefetch, threads=cfg.loader_threads,
+                                        pin_memory=self.cuda):
+                yield m, b
+                m += 1
+
+    def anchor_scores(self, micro: int, rows: int, T: int) -> torch.Tensor:
+        # a function of (seed, micro-step, rank): resumes draw exactly what an uninterrupted run draws
+        self.gen.manual_seed((self.cfg.seed * 1_000_003 + micro) * 65_537 + self.dist.rank)
+        return torch.rand(rows, T, generator=self.gen, device=self.dev)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        cfg, dist, dev = self.cfg, self.dist, self.dev
+        T = self.cache.seq_len
+        B1 = self.dcfg.block_size - 1
+        logger = init_wandb(cfg, self.resolved, dist.is_main)
+        acc = {"loss": torch.zeros((), device=dev), "tau": torch.zeros((), device=dev),
+               "slot_hits": torch.zeros(B1, device=dev), "slot_count": torch.zeros(B1, device=dev),
+               "grad_norm": torch.zeros((), device=dev)}
+        hist = torch.zeros(cfg.log_every * cfg.grad_accum, device=dev)  # per-micro-step losses since the last check
+        hist_n = 0
+        history: list[dict] = []
+        data = self.micro_batches(self.step * cfg.grad_accum)
+        bar = progress.bar(cfg.progress and dist.is_main, total=self.total_steps, initial=self.step, desc="train",
+                           unit="step")
+        t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
+        t_start, wait_total, steps_done = time.perf_counter(), 0.0, 0
+        prev = None  # (event, batch): pinned buffer to release once its copy has landed
+        last_good = None
+        compiles_at_warm = None
+        import torch._dynamo as dynamo
+
+        try:
+            while self.step < self.total_steps:
+                lr = lr_at(self.step, self.total_steps, cfg)
+                self.lr_t.fill_(lr)
+                for a in range(cfg.grad_accum):
+                    t0 = time.perf_counter()
+                    micro, batch = next(data)
+                    wait = time.perf_counter() - t0
+                    wait_window += wait
+                    wait_total += wait
+                    x = {k: batch[k].to(dev, non_blocking=True) for k in ("hidden", "input_ids", "loss_mask", "doc_ids")}
+                    if self.cuda:
+                        ev = torch.cuda.current_stream(dev).record_event()
+                        if prev is not None:
+                            prev[0].synchronize()
+                            prev[1].release()
+                        prev = (ev, batch)
+                    scores = self.anchor_scores(micro, x["input_ids"].shape[0], T)
+                    if self.compiled and self.cuda:
+                        torch.compiler.cudagraph_mark_step_begin()
+                    loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
+                                         cfg.num_anchors, cfg.gamma)
+                    loss.backward()
+                    grads = [p.grad for p in self.params]
+                    if a == 0:
+                        torch._foreach_copy_(self.grad_views, grads)
+                    else:
+                        torch._foreach_add_(self.grad_views, grads)
+                    for p in self.params:
+                        p.grad = None
+                    acc["loss"] += met["loss"].detach()
+                    acc["tau"] += met["tau"]
+                    acc["slot_hits"] += met["slot_acc"] * met["slot_count"]
+                    acc["slot_count"] += met["slot_count"]
+                    hist[hist_n % hist.numel()] = met["loss"].detach()
+                    hist_n += 1
+                if cfg.grad_accum > 1:
+                    self.grad_buf.mul_(1.0 / cfg.grad_accum)
+                if dist.distributed:
+                    torch.distributed.all_reduce(self.grad_buf, op=torch.distributed.ReduceOp.AVG)
+                for p, g in zip(self.params, self.grad_views):
+                    p.grad = g
+                gn = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip, foreach=True)
+                acc["grad_norm"] += gn.float()
+                self.opt.step()
+                for p in self.params:
+                    p.grad = None
+                self.step += 1
+                steps_window += 1
+                steps_done += 1
+                bar.update(1)
+                if self.compiled and self.step == min(3, self.total_steps):
+                    compiles_at_warm = _compile_count()
+                    dynamo.config.error_on_recompile = True  # a recompile after warm-up fails loudly
+                is_log = self.step % cfg.log_every == 0 or self.step == self.total_steps
+                is_save = self.step % cfg.save_every == 0 or self.step == self.total_steps
+                if is_log or is_save:
+                    vals = {k: v.detach().cpu() for k, v in acc.items()}  # the one host sync
+                    h = hist[: min(hist_n, hist.numel())].cpu()
+                    if not torch.isfinite(h).all() or not math.isfinite(float(vals["grad_norm"])):
+                        bad = int(torch.nonzero(~torch.isfinite(h))[0]) if not torch.isfinite(h).all() else 0
+                        first = self.step - steps_window + bad // cfg.grad_accum + 1
+                        raise NonFiniteLoss(
+                            f"non-finite loss or gradient at step {first} (of {self.total_steps}); "
+                            f"the last good checkpoint is {last_good or 'none (no checkpoint yet)'}")
+                    now = time.perf_counter()
+                    dt = now - t_window
+                    nmicro = steps_window * cfg.grad_accum
+                    rows = nmicro * cfg.batch_rows * dist.world
+                    rec = {
+                        "step": self.step, "lr": lr,
+                        "loss": float(vals["loss"]) / nmicro,
+                        "tau_expected": float(vals["tau"]) / nmicro,
+                        "grad_norm": float(vals["grad_norm"]) / steps_window,
+                        "slot_acc": (vals["slot_hits"] / vals["slot_count"].clamp(min=1)).tolist(),
+                        "ctx_tokens_per_s": rows * T / dt,
+                        "block_tokens_per_s": rows * cfg.num_anchors * self.dcfg.block_size / dt,
+                        "step_ms": 1000 * dt / steps_window,
+                        "data_wait_frac": wait_window / dt,
+                        "mfu": (self.flops * dist.world * steps_window / dt / H200_PEAK_BF16) if self.cuda else None,
+                        "epoch": self.step * cfg.grad_accum / self.spe,
+                    }
+                    history.append(rec)
+                    if dist.is_main:
+                        bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_expected']:.2f}",
+                                        tok_s=f"{rec['ctx_tokens_per_s']:,.0f}", refresh=False)
+                        logger.log({k: v for k, v in rec.items() if k != "slot_acc"} |
+                                   {f"slot_acc/{i + 1}": a for i, a in enumerate(rec["slot_acc"])}, step=self.step)
+                        with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
+                            f.write(json.dumps(rec) + "\n")
+                    for v in acc.values():
+                        v.zero_()
+                    hist_n = 0
+                    t_window, wait_window, steps_window = time.perf_counter(), 0.0, 0
+                if is_save and dist.is_main:
+                    last_good = save_checkpoint(cfg.out, self.step, self.model, self.opt,
+                                                {"step": self.step, "total_steps": self.total_steps,
+                                                 "micro_step": self.step * cfg.grad_accum}, cfg.keep_checkpoints)
+                if is_save:
+                    barrier()
+        finally:
+            bar.close()
+            if prev is not None:
+                prev[1].release()
+            dynamo.config.error_on_recompile = False
+        elapsed = time.perf_counter() - t_start
+        recompiles = (_compile_count() - compiles_at_warm) if compiles_at_warm is not None else 0
+        if dist.is_main:
+            self.save_final()
+        barrier()
+        logger.finish()
+        out = {"steps": self.step, "history": history, "elapsed_s": elapsed, "steps_this_run": steps_done,
+               "data_wait_frac": wait_total / elapsed if elapsed > 0 else 0.0, "recompiles_after_warmup": recompiles,
+               "final": os.path.join(cfg.out, "final"), "params": self.nparams}
+        if dist.is_main:
+            _atomic_json(os.path.join(cfg.out, "summary.json"), out)
+        return out
+
+    def save_final(self) -> str:
+        final = os.path.join(self.cfg.out, "final")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_drafter(self.model, tmp, dtype=torch.bfloat16)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        return final
+
+
+def _compile_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def run_train(cfg: TrainConfig) -> dict[str, Any]:
+    tr = Trainer(cfg)
+    print0(f"train: drafter {tr.dcfg.num_layers} layers x {tr.dcfg.hidden_size} ({tr.nparams / 1e6:.1f}M trainable), "
+           f"block {tr.dcfg.block_size}, {cfg.num_anchors} anchors/row, mask token {tr.dcfg.mask_token_id}; "
+           f"{len(tr.cache)} rows of {tr.cache.seq_len} -> {tr.total_steps} steps of {cfg.batch_rows} rows x "
+           f"{cfg.grad_accum} accum x {tr.dist.world} ranks; {'compiled' if tr.compiled else 'eager'} on {tr.dev}, "
+           f"{tr.param_dtype}, attention {tr.attn}")
+    out = tr.train()
+    if out["history"]:
+        last = out["history"][-1]
+        print0(f"train: step {out['steps']}: loss {last['loss']:.4f}, expected tau {last['tau_expected']:.2f}, "
+               f"{last['ctx_tokens_per_s']:,.0f} ctx tok/s, data wait {100 * out['data_wait_frac']:.1f}%, "
+               f"recompiles after warm-up {out['recompiles_after_warmup']}; drafter -> {out['final']}")
+    return out
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("use `dflash train`")
