@@ -1,0 +1,633 @@
+"""Chat data for extraction: load a dataset, normalise its conversations, tokenise them with the target's
+chat template and a loss mask that is 1 exactly on what the assistant produces.
+
+    ds = load_chat_dataset("chats.jsonl", max_samples=10_000)
+    chat_tok = ChatTokenizer(tokenizer)                       # the target's tokenizer + chat template
+    data = tokenize_dataset(ds, chat_tok, seq_len=4096, source="chats.jsonl")
+    print(data.summary())                                     # counts: used / truncated / skipped
+    data.docs[i]                                              # (int32 ids, uint8 loss mask), one per kept row
+
+Every problem with the input raises DataError with a message that names the file, the row (0-based index in
+the dataset) and the field. Nothing is dropped silently: skipped and truncated conversations are counted.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+class DataError(Exception):
+    """Bad input data (or a tokenizer/template that cannot be used on it). The message says where and why."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# loading
+
+_COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst", ".lz4")
+_SUPPORTED = ".json, .jsonl or .parquet (json/jsonl may be compressed: .gz, .bz2, .xz, .zst)"
+
+
+def _file_kind(path: str) -> str | None:
+    name = os.path.basename(path).lower()
+    for suffix in _COMPRESSION_SUFFIXES:
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+            kind = "json" if name.endswith((".json", ".jsonl")) else None
+            return kind
+    if name.endswith((".json", ".jsonl")):
+        return "json"
+    if name.endswith(".parquet"):
+        return "parquet"
+    return None
+
+
+def _is_saved_dataset(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "dataset_dict.json")) or (
+        os.path.isfile(os.path.join(directory, "state.json"))
+        and os.path.isfile(os.path.join(directory, "dataset_info.json"))
+    )
+
+
+def _data_files_under(directory: str) -> list[str]:
+    files = []
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        files.extend(os.path.join(root, n) for n in names if not n.startswith(".") and _file_kind(n))
+    return sorted(files)
+
+
+def _load_files(path: str, files: list[str], split: str):
+    import datasets
+
+    kinds = {}
+    for f in files:
+        kind = _file_kind(f)
+        if kind is None:
+            raise DataError(f"{f}: unsupported data file type; expected {_SUPPORTED}")
+        kinds.setdefault(kind, f)
+    if len(kinds) > 1:
+        raise DataError(f"{path} mixes file types ({', '.join(sorted(kinds))}: e.g. {', '.join(kinds.values())}); "
+                        "use one type per dataset")
+    if split != "train":
+        raise DataError(f"{path}: split {split!r} requested, but data files have a single split 'train'; "
+                        "point --data at the files of that split instead")
+    (kind,) = kinds
+    if _no_rows(kind, files):  # datasets cannot build an empty split: say so before it fails obscurely
+        raise DataError(f"{path} has no rows")
+    try:
+        # A packaged builder on local files: no network access (nothing is resolved on the Hub).
+        return datasets.load_dataset(kind, data_files=files, split="train")
+    except Exception as e:  # pyarrow / json errors: say which path failed
+        if "corresponds to no data" in str(e):
+            raise DataError(f"{path} has no rows") from e
+        raise DataError(f"could not read {path} as {kind}: {type(e).__name__}: {e}") from e
+
+
+def _no_rows(kind: str, files: list[str]) -> bool:
+    try:
+        if kind == "parquet":
+            import pyarrow.parquet as pq
+
+            return sum(pq.ParquetFile(f).metadata.num_rows for f in files) == 0
+        for f in files:
+            if f.lower().endswith(_COMPRESSION_SUFFIXES):
+                return False  # compressed: let the loader decide
+            if os.path.getsize(f) > 64:
+                return False
+            with open(f, encoding="utf-8", errors="replace") as fh:
+                if fh.read().strip() not in ("", "[]"):
+                    return False
+        return True
+    except Exception:  # unreadable: the loader reports it
+        return False
+
+
+def _load_saved(path: str, split: str):
+    import datasets
+
+    def saved_rows_empty(directory: str) -> bool:  # datasets cannot load a saved dataset with no data files
+        try:
+            with open(os.path.join(directory, "state.json"), encoding="utf-8") as f:
+                return json.load(f).get("_data_files") == []
+        except (OSError, ValueError):
+            return False
+
+    where = path
+    if os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        try:
+            with open(os.path.join(path, "dataset_dict.json"), encoding="utf-8") as f:
+                splits = list(json.load(f)["splits"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"could not read {os.path.join(path, 'dataset_dict.json')}: {e}") from e
+        if split not in splits:
+            raise DataError(f"{path} has no split {split!r}; available splits: {', '.join(sorted(splits))}")
+        where = os.path.join(path, split)
+    if saved_rows_empty(where):
+        raise DataError(f"{path} has no rows" + (f" in split {split!r}" if where != path else ""))
+    try:
+        # A DatasetDict's split is a saved Dataset of its own: load only that one (datasets fails on the whole
+        # dict when any split is empty).
+        loaded = datasets.load_from_disk(where)
+    except Exception as e:
+        raise DataError(f"could not load the saved dataset at {where}: {type(e).__name__}: {e}") from e
+    if isinstance(loaded, datasets.DatasetDict):  # not reached for a well-formed save; kept for safety
+        if split not in loaded:
+            raise DataError(f"{path} has no split {split!r}; available splits: {', '.join(sorted(loaded))}")
+        return loaded[split]
+    if where != path:
+        return loaded
+    recorded = getattr(loaded, "split", None)
+    if split != "train" and recorded is not None and str(recorded) != split:
+        raise DataError(f"{path} is a single dataset of split {str(recorded)!r}, not {split!r}")
+    return loaded
+
+
+def load_chat_dataset(path: str, split: str = "train", max_samples: int | None = None):
+    """Load a chat dataset from local files only (never the network).
+
+    `path`: a .json/.jsonl/.parquet file, a glob of them, a directory of them (searched recursively, sorted), or a
+    directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (then `split` picks the split).
+    `max_samples`: keep the first N rows (deterministic). Returns a `datasets.Dataset`.
+    """
+    if max_samples is not None and int(max_samples) < 1:
+        raise DataError(f"max_samples must be >= 1, got {max_samples}")
+    path = os.fspath(path)
+    local = os.path.expanduser(path)
+    if any(c in local for c in "*?[") and not os.path.exists(local):
+        files = sorted(f for f in glob.glob(local, recursive=True) if os.path.isfile(f))
+        if not files:
+            raise DataError(f"no files match {path}")
+        ds = _load_files(path, files, split)
+    elif os.path.isdir(local):
+        if _is_saved_dataset(local):
+            ds = _load_saved(local, split)
+        else:
+            files = _data_files_under(local)
+            if not files:
+                raise DataError(f"{path} is a directory with no {_SUPPORTED} files and no save_to_disk dataset")
+            ds = _load_files(path, files, split)
+    elif os.path.isfile(local):
+        ds = _load_files(path, [local], split)
+    else:
+        raise DataError(f"data path {path} does not exist")
+    if len(ds) == 0:
+        raise DataError(f"{path} has no rows" + (f" in split {split!r}" if split != "train" else ""))
+    if max_samples is not None and max_samples < len(ds):
+        ds = ds.select(range(int(max_samples)))
+    return ds
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# normalising one row
+
+ROLES = ("system", "user", "assistant")
+_TOOL_ROLES = {"tool", "function", "ipython", "tool_call", "tool_calls", "tool_response", "function_call",
+               "function_response", "observation"}
+_SHAREGPT_ROLES = {
+    "system": "system",
+    "human": "user", "user": "user",
+    "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant", "model": "assistant",
+}
+
+
+def _text_content(content, where: str, fld: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, (list, tuple)):  # OpenAI content parts: keep the text parts, joined as templates do
+        texts = []
+        for k, part in enumerate(content):
+            if isinstance(part, str):
+                texts.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise DataError(f"{where}: {fld}[{k}] must be a {{'type': 'text', 'text': ...}} part, "
+                                f"got {type(part).__name__}")
+            kind = part.get("type") or ("text" if part.get("text") is not None else None)
+            if kind != "text":
+                raise DataError(f"{where}: {fld}[{k}] is a {kind!r} part; only text parts are supported")
+            if not isinstance(part.get("text"), str):
+                raise DataError(f"{where}: {fld}[{k}].text must be a string, got {type(part.get('text')).__name__}")
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None:
+        raise DataError(f"{where}: {fld} is missing")
+    raise DataError(f"{where}: {fld} must be a string (or a list of text parts), got {type(content).__name__}")
+
+
+def _openai_messages(messages, where: str) -> list[dict]:
+    if not isinstance(messages, (list, tuple)):
+        raise DataError(f"{where}: field 'messages' must be a list of {{role, content}}, got {type(messages).__name__}")
+    out = []
+    for j, m in enumerate(messages):
+        fld = f"messages[{j}]"
+        if not isinstance(m, Mapping):
+            raise DataError(f"{where}: {fld} must be an object with 'role' and 'content', got {type(m).__name__}")
+        role = m.get("role")
+        if role is None:
+            raise DataError(f"{where}: {fld} has no 'role'")
+        if not isinstance(role, str):
+            raise DataError(f"{where}: {fld}.role must be a string, got {type(role).__name__}")
+        if role in _TOOL_ROLES or (role == "assistant" and m.get("tool_calls")):
+            what = "tool calls" if role == "assistant" else f"role {role!r}"
+            raise DataError(f"{where}: {fld} has {what}: tool/function messages are not supported yet")
+        if role not in ROLES:
+            raise DataError(f"{where}: {fld}.role {role!r} is unknown; expected one of {', '.join(ROLES)}")
+        if "content" not in m:
+            raise DataError(f"{where}: {fld} has no 'content'")
+        out.append({"role": role, "content": _text_content(m["content"], where, f"{fld}.content")})
+    return out
+
+
+def _sharegpt_messages(conversations, where: str) -> list[dict]:
+    if not isinstance(conversations, (list, tuple)):
+        raise DataError(f"{where}: field 'conversations' must be a list of {{from, value}}, "
+                        f"got {type(conversations).__name__}")
+    out = []
+    for j, m in enumerate(conversations):
+        fld = f"conversations[{j}]"
+        if not isinstance(m, Mapping):
+            raise DataError(f"{where}: {fld} must be an object with 'from' and 'value', got {type(m).__name__}")
+        who = m.get("from")
+        if who is None:
+            raise DataError(f"{where}: {fld} has no 'from'")
+        if not isinstance(who, str):
+            raise DataError(f"{where}: {fld}.from must be a string, got {type(who).__name__}")
+        if who.lower() in _TOOL_ROLES:
+            raise DataError(f"{where}: {fld}.from {who!r}: tool/function messages are not supported yet")
+        role = _SHAREGPT_ROLES.get(who.lower())
+        if role is None:
+            raise DataError(f"{where}: {fld}.from {who!r} is unknown; expected one of "
+                            f"{', '.join(sorted(_SHAREGPT_ROLES))}")
+        value = m.get("value")
+        if value is None:
+            raise DataError(f"{where}: {fld} has no 'value'")
+        if not isinstance(value, str):
+            raise DataError(f"{where}: {fld}.value must be a string, got {type(value).__name__}")
+        out.append({"role": role, "content": value})
+    return out
+
+
+def to_messages(example: dict, row: int, source: str) -> list[dict]:
+    """One dataset row -> [{"role": "system"|"user"|"assistant", "content": str}, ...].
+
+    Accepts the OpenAI format (column "messages": [{role, content}], content a string or a list of text parts)
+    and the ShareGPT format (column "conversations": [{from, value}]).
+    """
+    where = f"{source}, row {row}"
+    if not isinstance(example, Mapping):
+        raise DataError(f"{where}: expected an object with a 'messages' or 'conversations' field, "
+                        f"got {type(example).__name__}")
+    if example.get("messages") is not None:
+        return _openai_messages(example["messages"], where)
+    if example.get("conversations") is not None:
+        return _sharegpt_messages(example["conversations"], where)
+    present = [k for k in ("messages", "conversations") if k in example]
+    if present:
+        raise DataError(f"{where}: field {present[0]!r} is null")
+    raise DataError(f"{where}: no 'messages' (OpenAI format) or 'conversations' (ShareGPT format) field; "
+                    f"fields are: {', '.join(map(str, example)) or '(none)'}")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# chat template -> text, supervised character spans -> tokens, loss mask
+
+_SENTINEL = "\ue000DFLASH\ue001"  # private-use characters: never in real data, untouched by trim/strip filters
+
+
+def _tokenizer_name(tokenizer) -> str:
+    return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+
+
+def _drop_after_last_assistant(messages: Sequence[Mapping]) -> list:
+    last = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+    return list(messages[: last + 1])
+
+
+class ChatTokenizer:
+    """The target's tokenizer plus its chat template, producing (input_ids, loss_mask) for a conversation.
+
+    loss_mask is 1 exactly on the tokens the assistant produces: each assistant turn's content plus the template's
+    end-of-turn text after it (ChatML: "<|im_end|>\\n"); 0 on system/user turns and assistant headers
+    ("<|im_start|>assistant\\n").
+
+    Method: for assistant turn i, its supervised character span in render(messages) is
+    [len(render(messages[:i], add_generation_prompt=True)), len(render(messages[:i+1]))), where both renders must
+    be prefixes of the full render. The full text is tokenised once (offsets) and a token is supervised when its
+    characters overlap a span.
+
+    Templates that rewrite history (e.g. Qwen3 drops the <think> block of assistant turns that are no longer the
+    last): a turn whose own render is not a prefix of the full render is located in the full render by its content
+    followed by the template's end-of-turn text (found by rendering the turn with a sentinel content). If that
+    fails too, DataError explains.
+    """
+
+    def __init__(self, tokenizer, chat_template_kwargs: dict | None = None, chat_template: str | None = None):
+        name = _tokenizer_name(tokenizer)
+        if chat_template is not None and "{" not in chat_template and os.path.isfile(chat_template):
+            with open(chat_template, encoding="utf-8") as f:  # a template file (--chat-template FILE)
+                chat_template = f.read()
+        template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
+        if isinstance(template, Mapping):  # named templates: the default one
+            template = template.get("default")
+        if not template:
+            raise DataError(f"tokenizer of {name} has no chat template; pass --chat-template FILE")
+        if not getattr(tokenizer, "is_fast", False):
+            raise DataError(f"tokenizer of {name} is a slow tokenizer ({type(tokenizer).__name__}) without offset "
+                            "mappings; a fast tokenizer is needed (a tokenizer.json, or use_fast=True)")
+        self.tokenizer = tokenizer
+        self.name = name
+        self.chat_template = template
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.fingerprint = chat_template_fingerprint(template, self.chat_template_kwargs)
+        self._fast_render = self._compile_fast_render()
+
+    # -- rendering ---------------------------------------------------------------------------------------------
+    def _slow_render(self, messages, add_generation_prompt):
+        return self.tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+            chat_template=self.chat_template, **self.chat_template_kwargs)
+
+    def _compile_fast_render(self):
+        """apply_chat_template costs ~3x the bare jinja render; render the compiled template directly when that
+        gives the same text (checked on a probe conversation), else fall back to apply_chat_template."""
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            compiled = _compile_jinja_template(self.chat_template)
+            context = {**self.tokenizer.special_tokens_map, **self.chat_template_kwargs}
+
+            def render(messages, add_generation_prompt):
+                return compiled.render(messages=messages, tools=None, documents=None,
+                                       add_generation_prompt=add_generation_prompt, **context)
+
+            probe = [{"role": "system", "content": "S"}, {"role": "user", "content": "U 1"},
+                     {"role": "assistant", "content": "A 1"}, {"role": "user", "content": "U 2"},
+                     {"role": "assistant", "content": " A 2\n"}]
+            for msgs, gen in ((probe, False), (probe[1:], False), (probe[:4], True), (probe[1:2], True)):
+                if render(msgs, gen) != self._slow_render(msgs, gen):
+                    return None
+            return render
+        except Exception:
+            return None
+
+    def render(self, messages, add_generation_prompt: bool = False, where: str = "conversation") -> str | None:
+        """The template's text for `messages` (None for an empty list, which templates cannot render)."""
+        if not messages:
+            return None
+        try:
+            if self._fast_render is not None:
+                return self._fast_render(messages, add_generation_prompt)
+            return self._slow_render(messages, add_generation_prompt)
+        except Exception as e:  # jinja raise_exception (e.g. "roles must alternate"), template bugs
+            raise DataError(f"{where}: the chat template of {self.name} failed on this conversation: "
+                            f"{type(e).__name__}: {e}") from e
+
+    def _turn_span(self, full: str, messages: list, i: int, lo: int, where: str) -> tuple[int, int]:
+        gen = self.render(messages[:i], True, where)
+        own = self.render(messages[: i + 1], False, where)
+        start = len(gen) if gen is not None and full.startswith(gen) else None
+        end = len(own) if full.startswith(own) else None
+        if start is None or end is None:
+            # The template renders this turn (or what precedes it) differently once other messages follow.
+            sentinel = [*messages[:i], {"role": "assistant", "content": _SENTINEL}]
+            probe = self.render(sentinel, False, where)
+            post = probe[probe.rfind(_SENTINEL) + len(_SENTINEL):] if _SENTINEL in probe else None
+            content = messages[i]["content"]
+            found = None
+            if post is not None:
+                for text in dict.fromkeys((content, content.strip())):
+                    needle = text + post
+                    if not needle:
+                        continue
+                    if end is not None:
+                        p = end - len(needle) if full[lo:end].endswith(needle) else -1
+                    else:
+                        p = full.find(needle, start if start is not None else lo)
+                    if p >= 0:
+                        found = (p, p + len(needle))
+                        break
+            if found is None:
+                which = (f"render(messages[:{i}], add_generation_prompt=True)" if start is None
+                         else f"render(messages[:{i + 1}])")
+                raise DataError(
+                    f"{where}: cannot find assistant turn messages[{i}] in the rendered conversation: the chat "
+                    f"template of {self.name} rewrites history ({which} is not a prefix of the render of the whole "
+                    f"conversation: the template renders earlier turns differently once later messages follow), "
+                    f"and the turn's content followed by its end-of-turn text {post!r} does not appear in it either")
+            if start is None:
+                start = found[0]
+            if end is None:
+                end = found[1]
+        if not lo <= start <= end <= len(full):
+            raise DataError(f"{where}: assistant turn messages[{i}] renders at characters [{start}, {end}), which "
+                            f"is out of order (previous turn ended at {lo}); the chat template of {self.name} "
+                            "does not render conversations incrementally")
+        return start, end
+
+    def render_spans(self, messages, where: str = "conversation") -> tuple[str, list[tuple[int, int]]] | None:
+        """(text, supervised character spans) for a conversation, messages after the last assistant turn dropped;
+        None when it has no assistant turn."""
+        messages = _drop_after_last_assistant(messages)
+        if not messages:
+            return None
+        full = self.render(messages, False, where)
+        spans, lo = [], 0
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant":
+                start, end = self._turn_span(full, messages, i, lo, where)
+                spans.append((start, end))
+                lo = end
+        return full, spans
+
+    # -- tokenising --------------------------------------------------------------------------------------------
+    def tokenize_texts(self, texts: list[str], spans: list[list[tuple[int, int]]]):
+        """Tokenise rendered texts in one batched call; yields (int32 ids, uint8 mask) per text."""
+        enc = self.tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True,
+                             return_attention_mask=False, return_token_type_ids=False,
+                             padding=False, truncation=False)
+        for ids, offsets, text_spans in zip(enc["input_ids"], enc["offset_mapping"], spans):
+            ids = np.asarray(ids, dtype=np.int32)
+            mask = np.zeros(len(ids), dtype=bool)
+            if len(ids):
+                off = np.fromiter(itertools.chain.from_iterable(offsets), dtype=np.int64,
+                                  count=2 * len(ids)).reshape(len(ids), 2)
+                for s, e in text_spans:
+                    mask |= (off[:, 0] < e) & (off[:, 1] > s)
+            yield ids, mask.astype(np.uint8)
+
+    def encode(self, messages) -> tuple[list[int], list[int]]:
+        """(input_ids, loss_mask) of one conversation (messages after the last assistant turn dropped)."""
+        rendered = self.render_spans(messages)
+        if rendered is None:
+            return [], []
+        text, spans = rendered
+        ids, mask = next(self.tokenize_texts([text], [spans]))
+        return ids.tolist(), mask.tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# fingerprints
+
+
+def _short_sha(payload: bytes | str) -> str:
+    if isinstance(payload, str):
+        payload = payload.encode("utf-8")
+    return hashlib.sha256(payload).hexdigest()[:16]
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    """Short stable hash of what the tokenizer does: its serialized backend (vocab, merges, normalizer,
+    pre-tokenizer, added tokens; not transient truncation/padding state) and its special tokens."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        spec = json.loads(backend.to_str())
+        spec.pop("truncation", None)
+        spec.pop("padding", None)
+        body = json.dumps(spec, sort_keys=True, ensure_ascii=False)
+    else:  # slow tokenizer: the vocabulary
+        body = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    special = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
+    return _short_sha(body + "\0" + special)
+
+
+def chat_template_fingerprint(template: str, kwargs: dict | None) -> str:
+    """Short stable hash of a chat template and the keyword arguments it is rendered with."""
+    return _short_sha(json.dumps({"chat_template": template, "kwargs": kwargs or {}}, sort_keys=True, default=repr))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# a whole dataset
+
+
+@dataclass
+class TokenizedData:
+    """Kept conversations as (int32 ids, uint8 loss mask), in dataset order, plus the counts of what was kept,
+    truncated and skipped. total = used + skipped_no_assistant + skipped_too_long_prompt; truncated <= used."""
+
+    docs: list[tuple[np.ndarray, np.ndarray]] = field(default_factory=list)
+    sample_index: list[int] = field(default_factory=list)  # dataset row of each doc
+    total: int = 0
+    used: int = 0
+    truncated: int = 0  # longer than seq_len: cut to seq_len tokens (and still used)
+    skipped_no_assistant: int = 0  # no assistant turn, or no supervised token
+    skipped_too_long_prompt: int = 0  # every supervised token lies beyond seq_len
+    tokens: int = 0  # sum of kept lengths
+    supervised_tokens: int = 0
+    seq_len: int = 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(ids) for ids, _ in self.docs]
+
+    def counts(self) -> dict:
+        return {k: getattr(self, k) for k in ("total", "used", "truncated", "skipped_no_assistant",
+                                               "skipped_too_long_prompt", "tokens", "supervised_tokens")}
+
+    def summary(self) -> str:
+        return (f"{self.total} conversations: {self.used} used ({self.truncated} truncated to {self.seq_len} tokens), "
+                f"{self.skipped_no_assistant} skipped (no assistant tokens), {self.skipped_too_long_prompt} skipped "
+                f"(prompt longer than {self.seq_len} tokens); {self.tokens} tokens, "
+                f"{self.supervised_tokens} supervised")
+
+
+def _iter_batches(ds, batch_size: int, source: str):
+    """Yield lists of row dicts (only the conversation columns) from a datasets.Dataset or a list of dicts."""
+    names = getattr(ds, "column_names", None)
+    if names is not None and hasattr(ds, "iter"):
+        cols = [c for c in ("messages", "conversations") if c in names]
+        if not cols:
+            raise DataError(f"{source}, row 0: no 'messages' (OpenAI format) or 'conversations' (ShareGPT format) "
+                            f"field; fields are: {', '.join(names) or '(none)'}")
+        for batch in ds.select_columns(cols).with_format(None).iter(batch_size=batch_size):
+            n = len(batch[cols[0]])
+            yield [{c: batch[c][j] for c in cols} for j in range(n)]
+    else:
+        rows = list(ds)
+        for b in range(0, len(rows), batch_size):
+            yield rows[b:b + batch_size]
+
+
+def tokenize_dataset(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, progress: bool = True,
+                     batch_size: int = 256) -> TokenizedData:
+    """Normalise, render and tokenise every row (tokenizer calls batched by `batch_size`), cut to seq_len tokens.
+
+    Rows without an assistant turn (or without a supervised token) and rows whose supervised tokens all fall
+    beyond seq_len are skipped and counted. If nothing is usable, DataError says why.
+    """
+    from tqdm.auto import tqdm
+
+    if int(seq_len) < 2:
+        raise DataError(f"seq_len must be >= 2, got {seq_len}")
+    seq_len = int(seq_len)
+    out = TokenizedData(seq_len=seq_len)
+    shortest_prompt = None  # shortest prompt prefix (tokens before the first supervised one) among too-long rows
+    total = len(ds) if hasattr(ds, "__len__") else None
+    bar = tqdm(total=total, desc=f"tokenizing {os.path.basename(str(source)) or source}", unit="conv",
+               disable=not progress or not sys.stderr.isatty(), dynamic_ncols=True)
+    row = 0
+    try:
+        for batch in _iter_batches(ds, batch_size, source):
+            texts, spans, rows = [], [], []
+            for example in batch:
+                where = f"{source}, row {row}"
+                rendered = chat_tok.render_spans(to_messages(example, row, source), where)
+                if rendered is None:
+                    out.skipped_no_assistant += 1
+                else:
+                    texts.append(rendered[0])
+                    spans.append(rendered[1])
+                    rows.append(row)
+                row += 1
+            if texts:
+                for r, (ids, mask) in zip(rows, chat_tok.tokenize_texts(texts, spans)):
+                    if not mask.any():
+                        out.skipped_no_assistant += 1
+                        continue
+                    if len(ids) > seq_len:
+                        first = int(np.argmax(mask))
+                        if first >= seq_len:
+                            out.skipped_too_long_prompt += 1
+                            shortest_prompt = first if shortest_prompt is None else min(shortest_prompt, first)
+                            continue
+                        ids, mask = ids[:seq_len].copy(), mask[:seq_len].copy()
+                        out.truncated += 1
+                    out.docs.append((ids, mask))
+                    out.sample_index.append(r)
+                    out.tokens += len(ids)
+                    out.supervised_tokens += int(mask.sum())
+            bar.update(len(batch))
+    finally:
+        bar.close()
+    out.total = row
+    out.used = len(out.docs)
+    if out.used == 0:
+        if out.total == 0:
+            raise DataError(f"{source} has no rows")
+        if out.skipped_too_long_prompt:
+            raise DataError(
+                f"{source}: no usable conversation: in all {out.skipped_too_long_prompt} conversations with assistant "
+                f"tokens the prompt is longer than seq_len={seq_len} (shortest prompt prefix: {shortest_prompt} "
+                f"tokens before the first assistant token; {out.skipped_no_assistant} more rows have no assistant "
+                f"tokens); raise seq_len above {shortest_prompt}")
+        raise DataError(f"{source}: no usable conversation: none of the {out.total} rows has an assistant turn "
+                        "with supervised tokens")
+    return out
+
+
+def data_fingerprint(tokenized: TokenizedData) -> str:
+    """Short stable hash of the kept documents' ids and loss masks, in order."""
+    h = hashlib.sha256()
+    for ids, mask in tokenized.docs:
+        h.update(np.array(len(ids), dtype="<i8").tobytes())
+        h.update(np.ascontiguousarray(ids, dtype="<i4").tobytes())
+        h.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
+    return h.hexdigest()[:16]
