@@ -237,5 +237,33 @@ def train(preset, gpus, no_progress, **flags):
     run_train(cfg)
 
 
+@main.command("eval")
+@click.option("--target", help="The target model (HF directory or .gguf).")
+@click.option("--drafter", help="A drafter checkpoint (e.g. RUN/final).")
+@click.option("--data", help="Prompts: a chat dataset; each row's turns before its first assistant turn (or a `prompt` field).")
+@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@click.option("--split", help="Dataset split.  [default: train]")
+@click.option("--max-prompts", type=int, help="Evaluate at most N prompts.")
+@click.option("--skip-prompts", type=int, help="Skip the first N rows (e.g. to reach a held-out tail).  [default: 0]")
+@click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt.  [default: 128]")
+@click.option("--ngram-max", type=int, help="Longest n-gram for the prompt-lookup baseline.  [default: 3]")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="[default: bf16 on GPU, fp32 on CPU]")
+@click.option("--device", help="cpu, cuda or cuda:N.")
+@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
+@click.option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
+@click.option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
+def eval_cmd(preset, **flags):
+    """Measure a drafter by real greedy speculative decoding: tau, speed-up, losslessness.
+
+    Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
+    """
+    from dflash.config import build, parse_kv
+    from train.eval import EvalConfig, format_report, run_eval
+
+    flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
+    cfg = build(EvalConfig, preset, "eval", flags)
+    click.echo(format_report(run_eval(cfg)))
+
+
 if __name__ == "__main__":
     main()
