@@ -8,6 +8,7 @@ See format.py for the on-disk layout. Usable on its own:
 """
 
 from .format import (
+    CODECS,
     FORMAT_NAME,
     FORMAT_VERSION,
     CacheCorruptError,
@@ -25,7 +26,7 @@ from .reader import Batch, Cache, open
 from .writer import CacheWriter
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "Batch", "Cache", "CacheCorruptError", "CacheError", "CacheIncompleteError",
+    "CODECS", "FORMAT_NAME", "FORMAT_VERSION", "Batch", "Cache", "CacheCorruptError", "CacheError", "CacheIncompleteError",
     "CacheMismatchError", "CacheNotFoundError", "CacheSpec", "CacheVersionError", "CacheWriter", "NotACacheError",
     "VerifyReport", "fingerprint", "info", "open", "verify",
 ]

@@ -134,6 +134,9 @@ class CacheSpec:
         start = shard * self.rows_per_shard
         return start, min(self.rows_per_shard, self.num_rows - start)
 
+    def chunks_per_row(self) -> int:
+        return self.seq_len // self.hidden_chunk_tokens
+
     def to_metadata(self) -> dict[str, Any]:
         meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
         d = asdict(self)
@@ -149,6 +152,28 @@ class CacheSpec:
         keys = ("seq_len", "hidden_size", "layer_ids", "num_rows", "rows_per_shard", "hidden_dtype", "codec",
                 "hidden_chunk_tokens")
         return cls(**{k: meta[k] for k in keys}, info=dict(meta.get("info") or {}))
+
+
+def commit_problems(spec: CacheSpec, shard: int, rec: Any) -> list[str]:
+    """What is wrong with a shard's commit record: [] when it has the rows and every checksum it must have."""
+    if not isinstance(rec, dict):
+        return ["commit record: not a JSON object"]
+    _, rows = spec.shard_rows(shard)
+    if rec.get("rows") != rows:
+        return [f"commit record: says {rec.get('rows')!r} rows, the plan says {rows}"]
+    crcs = rec.get("crc32")
+    if not isinstance(crcs, dict):
+        return ["commit record: no crc32 table"]
+    want = {**{name: 1 for name in SMALL_ARRAYS}, HIDDEN: rows * spec.chunks_per_row()}
+    problems = []
+    for name, n in want.items():
+        got = crcs.get(name)
+        have = len(got) if isinstance(got, list) else 0
+        if have != n:
+            problems.append(f"commit record: crc32[{name!r}] has {have} entries, expected {n}")
+        elif not all(isinstance(c, int) and 0 <= c < 1 << 32 for c in got):
+            problems.append(f"commit record: crc32[{name!r}] holds values that are not CRC-32s")
+    return problems
 
 
 def lookup(meta: dict[str, Any], dotted: str) -> Any:

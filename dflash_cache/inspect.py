@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .format import HIDDEN, SMALL_ARRAYS, CacheSpec, shard_key
+from .format import HIDDEN, SMALL_ARRAYS, CacheSpec, commit_problems, shard_key
 from .reader import Cache
 from .store import Store
 from .writer import SMALL_CODEC, chunk_key, read_root
@@ -57,12 +57,11 @@ class VerifyReport:
 def _verify_shard(cache: Cache, s: int) -> tuple[list[str], int]:
     spec: CacheSpec = cache.spec
     rec = cache.commits[s]
-    problems: list[str] = []
+    problems = commit_problems(spec, s, rec)
+    if problems:  # without its checksums a shard cannot be checked, nor read
+        return problems, 0
     nbytes = 0
     _, rows = spec.shard_rows(s)
-    if int(rec.get("rows", -1)) != rows:
-        problems.append(f"commit says {rec.get('rows')} rows, the plan says {rows}")
-        return problems, nbytes
     T, W, C = spec.seq_len, spec.row_width, spec.hidden_chunk_tokens
     want_shapes = {**{n: [rows, T] for n in SMALL_ARRAYS}, HIDDEN: [rows, T, W]}
     for name, shape in want_shapes.items():
@@ -71,7 +70,7 @@ def _verify_shard(cache: Cache, s: int) -> tuple[list[str], int]:
             problems.append(f"{name}: array metadata missing or unreadable")
         elif list(meta.get("shape", [])) != shape:
             problems.append(f"{name}: shape {meta.get('shape')} != {shape}")
-    crcs = rec.get("crc32", {})
+    crcs = rec["crc32"]
     for name, dtype in SMALL_ARRAYS.items():
         arr = np.empty((rows, T), dtype=dtype)
         try:
@@ -80,7 +79,7 @@ def _verify_shard(cache: Cache, s: int) -> tuple[list[str], int]:
         except Exception as e:  # noqa: BLE001 - every failure is a finding
             problems.append(f"{name}: {e}")
     buf = np.empty((C, W), dtype=np.uint16)
-    per_row = T // C
+    per_row = spec.chunks_per_row()
     for r in range(rows):
         for c in range(per_row):
             key = chunk_key(f"{shard_key(s)}/{HIDDEN}", (r, c, 0))

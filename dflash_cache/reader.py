@@ -19,10 +19,9 @@ from __future__ import annotations
 import collections
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import numpy as np
-import torch
 
 from .format import (
     HIDDEN,
@@ -32,10 +31,15 @@ from .format import (
     CacheIncompleteError,
     CacheSpec,
     check_expectations,
+    commit_problems,
     shard_key,
 )
 from .store import Codec, Store, crc32
 from .writer import SMALL_CODEC, chunk_key, committed_shards, read_root
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where tensors are made, so that `dflash cache info|verify` start in a fraction of a second.
 
 
 def open(path: str, expect: dict[str, Any] | None = None, allow_incomplete: bool = False,
@@ -47,7 +51,7 @@ def open(path: str, expect: dict[str, Any] | None = None, allow_incomplete: bool
 class Batch(dict):
     """A dict of CPU tensors; call release() after its data was copied elsewhere (pinned mode)."""
 
-    def __init__(self, data: dict[str, torch.Tensor], release=None):
+    def __init__(self, data: dict[str, "torch.Tensor"], release=None):
         super().__init__(data)
         self._release = release
 
@@ -72,14 +76,17 @@ class Cache:
                 f"cache {self.path} is incomplete: {len(missing)} of {self.spec.num_shards} shards are not committed "
                 f"(first: {missing[0]}); rerun the extraction to finish it"
             )
-        # global row index -> (shard, row in shard) over committed shards, in shard order
+        # global row index -> (shard, row in shard) over committed shards, in shard order. Row counts come
+        # from the plan; a commit record that disagrees is corrupt (see commit_record()).
         self._shards = sorted(self.commits)
-        counts = [int(self.commits[s]["rows"]) for s in self._shards]
+        counts = [self.spec.shard_rows(s)[1] for s in self._shards]
         self._starts = np.cumsum([0] + counts)
         self._hidden_codec = Codec(self.spec.codec, 2)
         self._small_codec = Codec(SMALL_CODEC, 4)
         self._small: collections.OrderedDict[int, dict[str, np.ndarray]] = collections.OrderedDict()
         self._small_lock = threading.Lock()
+        self._records_ok: set[int] = set()
+        self._tls = threading.local()
         self.threads = threads
 
     # -- basic facts ---------------------------------------------------------------------------
@@ -100,7 +107,7 @@ class Cache:
 
     @property
     def real_tokens(self) -> int:
-        return sum(int(c["real_tokens"]) for c in self.commits.values())
+        return sum(int(c.get("real_tokens", 0)) for c in self.commits.values() if isinstance(c, dict))
 
     def locate(self, i: int) -> tuple[int, int]:
         n = len(self)
@@ -110,18 +117,44 @@ class Cache:
         k = int(np.searchsorted(self._starts, i, side="right") - 1)
         return self._shards[k], i - int(self._starts[k])
 
+    def commit_record(self, shard: int) -> dict[str, Any]:
+        """A shard's commit record, checked to hold every checksum (CacheCorruptError if it does not)."""
+        rec = self.commits[shard]
+        if shard not in self._records_ok:
+            problems = commit_problems(self.spec, shard, rec)
+            if problems:
+                raise CacheCorruptError(f"cache {self.path}: shard {shard}: {problems[0]}; run `dflash cache verify`")
+            self._records_ok.add(shard)
+        return rec
+
     # -- decoding --------------------------------------------------------------------------------
-    def _get(self, key: str, shard: int) -> bytes:
-        data = self.store.get(key)
-        if data is None:
+    def _fetch(self, key: str, shard: int, codec: Codec, out: np.ndarray) -> memoryview:
+        """The stored bytes of a chunk: read straight into `out` when stored raw, else into this
+        thread's scratch buffer (reused: large fresh buffers cost page faults on every read)."""
+        raw = codec.name == "none"
+        buf = memoryview(out).cast("B") if raw else self._scratch(0)
+        n = self.store.get_into(key, buf)
+        if n is not None and n > len(buf) and not raw:
+            buf = self._scratch(n)
+            n = self.store.get_into(key, buf)
+        if n is None:
             raise CacheCorruptError(f"cache {self.path}: shard {shard} is committed but {key} is missing; run `dflash cache verify`")
-        return data
+        if raw and n != out.nbytes:
+            raise CacheCorruptError(f"cache {self.path}: shard {shard}: {key} has {n} bytes, expected {out.nbytes} "
+                                    "(truncated or overwritten); run `dflash cache verify`")
+        return buf[:n]
+
+    def _scratch(self, size: int) -> memoryview:
+        buf = getattr(self._tls, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self._tls.buf = bytearray(max(size, 1 << 20))
+        return memoryview(buf)
 
     def _decode(self, key: str, shard: int, codec: Codec, out: np.ndarray, crc: int | None) -> None:
+        data = self._fetch(key, shard, codec, out)
         try:
-            codec.decode(self._get(key, shard), out)
-        except CacheCorruptError:
-            raise
+            if codec.name != "none":
+                codec.decode(data, out)
         except Exception as e:
             raise CacheCorruptError(f"cache {self.path}: shard {shard}: cannot decode {key} ({e}); run `dflash cache verify`") from e
         if crc is not None and crc32(out) != crc:
@@ -133,7 +166,7 @@ class Cache:
             if shard in self._small:
                 self._small.move_to_end(shard)
                 return self._small[shard]
-        rec = self.commits[shard]
+        rec = self.commit_record(shard)
         rows, T = int(rec["rows"]), self.spec.seq_len
         out = {}
         for name, dtype in SMALL_ARRAYS.items():
@@ -150,21 +183,37 @@ class Cache:
     def read_hidden_into(self, shard: int, row: int, out: np.ndarray, check: bool = False) -> None:
         """Decode row `row` of `shard` into out (uint16 [T, K*H])."""
         C = self.spec.hidden_chunk_tokens
-        crcs = self.commits[shard]["crc32"][HIDDEN]
-        per_row = self.spec.seq_len // C
-        for c in range(per_row):
-            crc = crcs[row * per_row + c] if check else None
-            self._decode(chunk_key(f"{shard_key(shard)}/{HIDDEN}", (row, c, 0)), shard, self._hidden_codec,
-                         out[c * C:(c + 1) * C], crc)
+        for c in range(self.spec.chunks_per_row()):
+            self._read_hidden_chunk(shard, row, c, out[c * C:(c + 1) * C], check)
+
+    def _read_hidden_chunk(self, shard: int, row: int, c: int, out: np.ndarray, check: bool) -> None:
+        """Decode hidden chunk c (tokens c*C .. (c+1)*C) of a row into out (uint16 [C, K*H])."""
+        crc = self.commit_record(shard)["crc32"][HIDDEN][row * self.spec.chunks_per_row() + c] if check else None
+        self._decode(chunk_key(f"{shard_key(shard)}/{HIDDEN}", (row, c, 0)), shard, self._hidden_codec, out, crc)
+
+    def _copy_small(self, shard: int, row: int, bufs: dict[str, np.ndarray], slot: int) -> None:
+        small = self.shard_small(shard)
+        for name in SMALL_ARRAYS:
+            bufs[name][slot] = small[name][row]
 
     def _read_row_into(self, i: int, bufs: dict[str, np.ndarray], slot: int, check: bool) -> None:
         shard, r = self.locate(i)
-        small = self.shard_small(shard)
-        for name in SMALL_ARRAYS:
-            bufs[name][slot] = small[name][r]
+        self._copy_small(shard, r, bufs, slot)
         self.read_hidden_into(shard, r, bufs[HIDDEN][slot], check)
 
-    def _alloc(self, n: int, pin: bool) -> tuple[dict[str, torch.Tensor], dict[str, np.ndarray]]:
+    def _submit_row(self, pool: ThreadPoolExecutor, i: int, bufs: dict[str, np.ndarray], slot: int,
+                    check: bool) -> list[Future]:
+        """_read_row_into as one task per hidden chunk, so that one row is decoded on many cores."""
+        shard, r = self.locate(i)
+        C = self.spec.hidden_chunk_tokens
+        futs = [pool.submit(self._copy_small, shard, r, bufs, slot)]
+        for c in range(self.spec.chunks_per_row()):
+            futs.append(pool.submit(self._read_hidden_chunk, shard, r, c, bufs[HIDDEN][slot, c * C:(c + 1) * C], check))
+        return futs
+
+    def _alloc(self, n: int, pin: bool) -> tuple[dict[str, "torch.Tensor"], dict[str, np.ndarray]]:
+        import torch
+
         T, W = self.spec.seq_len, self.spec.row_width
         tens = {
             "input_ids": torch.empty(n, T, dtype=torch.int32, pin_memory=pin),
@@ -176,12 +225,12 @@ class Cache:
         views[HIDDEN] = tens[HIDDEN].view(torch.int16).numpy().view(np.uint16)
         return tens, views
 
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, i: int) -> dict[str, "torch.Tensor"]:
         tens, views = self._alloc(1, False)
         self._read_row_into(int(i), views, 0, check=True)
         return {k: v[0] for k, v in tens.items()}
 
-    def read_rows(self, indices, check: bool = False) -> dict[str, torch.Tensor]:
+    def read_rows(self, indices, check: bool = False) -> dict[str, "torch.Tensor"]:
         tens, views = self._alloc(len(indices), False)
         for slot, i in enumerate(indices):
             self._read_row_into(int(i), views, slot, check)
@@ -198,6 +247,8 @@ class Cache:
         slot. The tail is filled with repeats marked invalid (their loss mask is zeroed), so every
         row is seen exactly once per epoch across ranks and every batch has the same shape.
         """
+        if batch_rows < 1:
+            raise CacheError(f"batch_rows must be at least 1, got {batch_rows}")
         if not 0 <= rank < world:
             raise CacheError(f"rank {rank} is out of range for world size {world}")
         n = len(self)
@@ -216,59 +267,60 @@ class Cache:
                 start_step: int = 0, prefetch: int = 4, threads: int | None = None, pin_memory: bool = False,
                 check: bool = False) -> Iterator[Batch]:
         """Fixed-shape batches of one epoch for one rank, starting at start_step (for resume)."""
+        import torch
+
+        if start_step < 0:
+            raise CacheError(f"start_step must be >= 0, got {start_step}")
         order, valid = self.epoch_order(batch_rows, rank, world, epoch, seed)
         steps = range(start_step, len(order))
         if not len(steps):
             return
-        nthreads = threads or self.threads
-        pool = ThreadPoolExecutor(nthreads, thread_name_prefix="dflash-read")
-        ring: list[tuple[dict, dict]] | None = None
-        free: collections.deque[int] = collections.deque()
-        cond = threading.Condition()
-        if pin_memory:
-            ring = [self._alloc(batch_rows, True) for _ in range(prefetch + 2)]  # allocated in this (main) thread
-            free.extend(range(len(ring)))
+        pool = ThreadPoolExecutor(threads or self.threads, thread_name_prefix="dflash-read")
+        ring = [self._alloc(batch_rows, True) for _ in range(prefetch + 2)] if pin_memory else None  # this thread
+        free = collections.deque(range(len(ring))) if ring is not None else None
+        lock = threading.Lock()
 
-        def fill(step: int, slot: int | None) -> tuple[dict, int | None]:
-            tens, views = ring[slot] if ring is not None else self._alloc(batch_rows, False)
-            for j, i in enumerate(order[step]):
-                self._read_row_into(int(i), views, j, check)
-            bad = ~valid[step]
-            if bad.any():
-                views["loss_mask"][bad] = 0
-            return tens, slot
-
-        def take_slot() -> int | None:
-            if ring is None:
-                return None
-            with cond:
-                while not free:
-                    cond.wait()
-                return free.popleft()
-
-        def give_back(slot):
-            def f():
-                with cond:
+        def give_back(slot: int):
+            def release():
+                with lock:
                     free.append(slot)
-                    cond.notify()
-            return f
+            return release
 
-        pending: collections.deque[tuple[int, Future]] = collections.deque()
+        def start(step: int):
+            """Allocate (or take a free pinned buffer) and submit the decoding of one batch."""
+            if ring is None:
+                slot, (tens, views) = None, self._alloc(batch_rows, False)
+            else:
+                with lock:
+                    slot = free.popleft()
+                tens, views = ring[slot]
+            futs = [f for j, i in enumerate(order[step]) for f in self._submit_row(pool, int(i), views, j, check)]
+            return step, tens, views, slot, futs
+
+        def can_start() -> bool:
+            if ring is None:
+                return True
+            with lock:
+                return bool(free)
+
+        pending: collections.deque = collections.deque()
         it = iter(steps)
         try:
             def top_up():
-                while len(pending) < prefetch:
-                    if ring is not None and not free:
-                        return
+                while len(pending) < prefetch and can_start():
                     step = next(it, None)
                     if step is None:
                         return
-                    pending.append((step, pool.submit(fill, step, take_slot())))
+                    pending.append(start(step))
 
             top_up()
             while pending:
-                step, fut = pending.popleft()
-                tens, slot = fut.result()
+                step, tens, views, slot, futs = pending.popleft()
+                for f in futs:
+                    f.result()
+                bad = ~valid[step]
+                if bad.any():
+                    views["loss_mask"][bad] = 0  # filler rows (repeats that even out the ranks) teach nothing
                 out = dict(tens)
                 out["row_index"] = torch.from_numpy(order[step].astype(np.int64))
                 out["row_valid"] = torch.from_numpy(valid[step].copy())
@@ -280,6 +332,7 @@ class Cache:
                         "once a batch has been copied to the device"
                     )
         finally:
-            for _, f in pending:
-                f.cancel()
+            for *_, futs in pending:
+                for f in futs:
+                    f.cancel()
             pool.shutdown(wait=True, cancel_futures=True)

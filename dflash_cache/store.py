@@ -9,9 +9,11 @@ LocalStore); any other URL goes through zarr's fsspec store.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
+import struct
 import uuid
 import zlib
 from typing import Any
@@ -22,8 +24,11 @@ import numpy as np
 
 from .format import CODECS, CacheError
 
+PARTIAL = ".partial"  # suffix of a file being written (renamed into place when complete)
+
 # We parallelise across chunks ourselves; blosc's own thread pool would oversubscribe the cores.
 numcodecs.blosc.use_threads = False
+BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (u32), blocksize (u32), cbytes (u32)
 
 
 def zarr_compressors(codec: str):
@@ -57,14 +62,19 @@ class Codec:
             raise CacheError(f"unknown codec {name!r} (one of {list(CODECS)})")
         self.typesize = typesize
 
-    def encode(self, arr: np.ndarray) -> bytes:
+    def encode(self, arr: np.ndarray):
+        """The chunk's stored bytes (bytes, or a byte memoryview of `arr` itself when not compressing)."""
         arr = np.ascontiguousarray(arr)
         if self._c is None:
-            return arr.tobytes()
+            return memoryview(arr).cast("B")
         return bytes(self._c.encode(arr))
 
     def decode(self, data: bytes, out: np.ndarray) -> np.ndarray:
         """Decode into `out` (contiguous, right dtype and size)."""
+        if not out.flags.c_contiguous:
+            raise ValueError("decode target must be C-contiguous")
+        if self.name in ("lz4", "blosc-zstd"):
+            check_blosc_header(data, out.nbytes)
         if self._c is None:
             if len(data) != out.nbytes:
                 raise ValueError(f"raw chunk has {len(data)} bytes, expected {out.nbytes}")
@@ -77,6 +87,18 @@ class Codec:
         if res is not flat:
             flat.view(np.uint8)[:] = np.frombuffer(np.asarray(res).tobytes(), dtype=np.uint8)
         return out
+
+
+def check_blosc_header(data: bytes, nbytes: int) -> None:
+    """c-blosc trusts the sizes in a chunk's header: a truncated chunk would be decoded from memory past
+    its end (garbage, or a crash). Check them first."""
+    if len(data) < BLOSC_HEADER:
+        raise ValueError(f"blosc chunk of {len(data)} bytes is shorter than its header")
+    raw, _, stored = struct.unpack_from("<III", data, 4)
+    if stored != len(data):
+        raise ValueError(f"blosc chunk has {len(data)} bytes, its header says {stored} (truncated or overwritten)")
+    if raw != nbytes:
+        raise ValueError(f"blosc chunk decodes to {raw} bytes, expected {nbytes}")
 
 
 def crc32(arr: np.ndarray) -> int:
@@ -119,16 +141,29 @@ class Store:
     def _p(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/"))
 
+    def root_is_file(self) -> bool:
+        return self.local and os.path.exists(self.root) and not os.path.isdir(self.root)
+
     def exists_root(self) -> bool:
         if self.local:
             return os.path.isdir(self.root)
         return self.get("zarr.json") is not None or bool(self.list_dir(""))
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data) -> None:
+        """Write one key atomically (a reader sees the old bytes or the new, never a torn file)."""
+        where = self._p(key) if self.local else f"{self.root}/{key}"
+        try:
+            self._put(key, data)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise CacheError(f"disk full while writing {where}: free some space or write the cache elsewhere") from e
+            raise CacheError(f"cannot write {where}: {e.strerror or e}") from e
+
+    def _put(self, key: str, data) -> None:
         if self.local:
             p = self._p(key)
             os.makedirs(os.path.dirname(p), exist_ok=True)
-            tmp = f"{p}.{uuid.uuid4().hex}.partial"
+            tmp = f"{p}.{uuid.uuid4().hex}{PARTIAL}"
             try:
                 with open(tmp, "wb") as f:
                     f.write(data)
@@ -142,7 +177,7 @@ class Store:
             return
         from zarr.core.buffer import default_buffer_prototype
 
-        self._sync(self._zstore.set(key, default_buffer_prototype().buffer.from_bytes(data)))
+        self._sync(self._zstore.set(key, default_buffer_prototype().buffer.from_bytes(bytes(data))))
 
     def get(self, key: str) -> bytes | None:
         if self.local:
@@ -155,6 +190,35 @@ class Store:
 
         buf = self._sync(self._zstore.get(key, prototype=default_buffer_prototype()))
         return None if buf is None else buf.to_bytes()
+
+    def get_into(self, key: str, buf: memoryview) -> int | None:
+        """Read `key` into the writable byte buffer `buf` if it fits; return its size (None: no such key).
+
+        A key larger than `buf` is not read: grow the buffer to the size returned and call again. Local
+        files are read straight into `buf`: no allocation, no extra copy.
+        """
+        if not self.local:
+            data = self.get(key)
+            if data is None:
+                return None
+            if len(data) <= len(buf):
+                buf[:len(data)] = data
+            return len(data)
+        try:
+            f = open(self._p(key), "rb", buffering=0)
+        except FileNotFoundError:
+            return None
+        with f:
+            n = os.fstat(f.fileno()).st_size
+            if n > len(buf):
+                return n
+            done = 0
+            while done < n:
+                got = f.readinto(buf[done:n])
+                if not got:
+                    raise OSError(f"{self._p(key)} shrank while being read")
+                done += got
+            return n
 
     def get_json(self, key: str) -> dict[str, Any] | None:
         raw = self.get(key)

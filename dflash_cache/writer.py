@@ -4,23 +4,27 @@
     w = CacheWriter(path, spec)                       # creates, or reopens and checks the metadata
     for s in range(spec.num_shards):
         if s not in w.committed:                      # resume: committed shards are kept
-            w.submit_shard(s, input_ids, loss_mask, doc_ids, hidden)   # returns at once
+            w.submit_shard(s, input_ids, loss_mask, doc_ids, hidden)   # returns at once*
     w.close()                                         # waits; raises the first write error
+
+* unless max_queued_shards shards are already pending: then it waits for one (bounded memory).
 
 Many writers (processes, machines) may write disjoint shards of one cache at the same time: a shard
 is written by exactly one writer, and the root is created once with identical content.
-Encoding, checksums and file writes run in background threads; they never touch CUDA.
+Encoding, checksums and file writes run in background threads; they never touch CUDA (a CUDA
+tensor handed to submit_shard is copied to the host in the caller's thread). Any failed write
+(disk full, ...) is raised as a CacheError naming the file.
 """
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import socket
+import sys
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from typing import Any, Callable
 
 import numpy as np
@@ -34,12 +38,13 @@ from .format import (
     SMALL_ARRAYS,
     CacheError,
     CacheMismatchError,
+    CacheNotFoundError,
     CacheSpec,
     CacheVersionError,
     NotACacheError,
     shard_key,
 )
-from .store import Codec, Store, crc32, zarr_compressors
+from .store import PARTIAL, Codec, Store, crc32, zarr_compressors
 
 SMALL_CODEC = "zstd"  # token ids / masks / doc ids: tiny, and zstd shrinks them ~5-20x
 
@@ -85,11 +90,19 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 # Metadata that legitimately differs between runs writing the same cache.
 VOLATILE_PREFIXES = ("info.run.",)
+# Fields a user sets, checked before the ones derived from them (num_shards, hidden_chunk_tokens when
+# chosen, num_layers), so that a mismatch names the setting that actually changed.
+PRIMARY_FIELDS = ("format", "format_version", "seq_len", "hidden_size", "layer_ids", "hidden_dtype", "num_rows",
+                  "rows_per_shard", "codec", "hidden_chunk_tokens")
+
+
+def _field_order(key: str) -> tuple[int, str]:
+    return (PRIMARY_FIELDS.index(key) if key in PRIMARY_FIELDS else len(PRIMARY_FIELDS), key)
 
 
 def compare_metadata(cached: dict, wanted: dict, path: str) -> None:
     a, b = flatten(cached), flatten(wanted)
-    for k in sorted(set(a) | set(b)):
+    for k in sorted(set(a) | set(b), key=_field_order):
         if k.startswith(VOLATILE_PREFIXES):
             continue
         if json.loads(json.dumps(a.get(k))) != json.loads(json.dumps(b.get(k))):
@@ -99,9 +112,9 @@ def compare_metadata(cached: dict, wanted: dict, path: str) -> None:
 
 def read_root(store: Store) -> dict[str, Any]:
     """The root metadata of a cache, with clear errors for what is not one."""
+    if store.root_is_file():
+        raise NotACacheError(f"{store.url} is not a dflash cache: it is a file, not a directory")
     if not store.exists_root():
-        from .format import CacheNotFoundError
-
         raise CacheNotFoundError(f"no cache at {store.url}: the path does not exist")
     doc = store.get_json("zarr.json")
     if doc is None:
@@ -130,9 +143,42 @@ def committed_shards(store: Store, num_shards: int) -> dict[int, dict[str, Any]]
     return out
 
 
+def existing_root(store: Store, path: str, overwrite: bool) -> dict[str, Any] | None:
+    """The metadata of the cache at `store`, or None where there is none yet (absent or empty directory).
+
+    A directory holding only temp files is empty: a writer killed while creating the root leaves that,
+    and so does a concurrent writer caught mid-creation (whose zarr.json appears a moment later).
+    """
+    try:
+        return read_root(store)
+    except CacheNotFoundError:
+        return None
+    except NotACacheError:
+        if store.root_is_file():
+            raise
+        if not [n for n in store.list_dir("") if not n.endswith(PARTIAL)]:
+            return None
+        try:
+            return read_root(store)  # another writer may have created it since the first look
+        except NotACacheError:
+            if overwrite:
+                return None
+            raise NotACacheError(
+                f"{path} exists and is not a dflash cache; refusing to write into it (pass --overwrite to replace it)"
+            ) from None
+
+
 class CacheWriter:
+    """Writes shards of one cache; see the module docstring.
+
+    threads: chunk encode/write threads. max_inflight_shards: shards written at once.
+    max_queued_shards: shards submitted and not yet committed (their arrays are held in memory);
+    submit_shard waits while this many are pending. Default 2 * max_inflight_shards.
+    """
+
     def __init__(self, path: str, spec: CacheSpec, *, overwrite: bool = False, threads: int = 8,
-                 max_inflight_shards: int = 2, create: bool = True, writer_id: str | None = None):
+                 max_inflight_shards: int = 2, create: bool = True, writer_id: str | None = None,
+                 max_queued_shards: int | None = None):
         self.store = Store(path)
         self.spec = spec
         self.path = str(path)
@@ -140,15 +186,7 @@ class CacheWriter:
         self._hidden_codec = Codec(spec.codec, 2)
         self._small_codec = Codec(SMALL_CODEC, 4)
         meta = spec.to_metadata()
-        existing = None
-        if self.store.exists_root():
-            try:
-                existing = read_root(self.store)
-            except NotACacheError:
-                if self.store.list_dir("") and not overwrite:
-                    raise NotACacheError(
-                        f"{self.path} exists and is not a dflash cache; refusing to write into it (pass --overwrite to replace it)"
-                    )
+        existing = existing_root(self.store, self.path, overwrite)
         if existing is not None and overwrite and create:
             self.store.delete_prefix("")
             existing = None
@@ -156,6 +194,8 @@ class CacheWriter:
             if existing.get("format_version") != FORMAT_VERSION:
                 raise CacheVersionError(f"{self.path} has format version {existing.get('format_version')}; cannot append to it")
             compare_metadata(existing, meta, self.path)
+            if self.store.get_json(f"{SHARDS}/zarr.json") is None:  # its creator died before writing it
+                self.store.put(f"{SHARDS}/zarr.json", group_json({}))
         elif create:
             self.store.put("zarr.json", group_json(meta))
             self.store.put(f"{SHARDS}/zarr.json", group_json({}))
@@ -163,6 +203,7 @@ class CacheWriter:
             raise CacheError(f"no cache at {self.path} to write into")
         self.metadata = meta
         self.committed = set(committed_shards(self.store, spec.num_shards))
+        self.max_queued_shards = max(1, max_queued_shards or 2 * max_inflight_shards)
         self._chunk_pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dflash-chunk")
         self._shard_pool = ThreadPoolExecutor(max(1, max_inflight_shards), thread_name_prefix="dflash-shard")
         self._futures: list[Future] = []
@@ -182,17 +223,14 @@ class CacheWriter:
 
     @staticmethod
     def _as_numpy(name: str, x) -> np.ndarray:
-        try:
-            import torch
-
-            if isinstance(x, torch.Tensor):
-                if name == HIDDEN:
-                    if x.dtype != torch.bfloat16:
-                        raise CacheError(f"hidden must be bfloat16, got {x.dtype}")
-                    return x.detach().cpu().view(torch.int16).numpy().view(np.uint16)
-                x = x.detach().cpu().numpy()
-        except ImportError:  # pragma: no cover
-            pass
+        """A numpy view of x. A torch tensor is moved to the CPU here, in the caller's thread."""
+        torch = sys.modules.get("torch")  # x can only be a tensor if torch is loaded
+        if torch is not None and isinstance(x, torch.Tensor):
+            if name == HIDDEN:
+                if x.dtype != torch.bfloat16:
+                    raise CacheError(f"hidden must be bfloat16, got {x.dtype}")
+                return x.detach().cpu().view(torch.int16).numpy().view(np.uint16)
+            x = x.detach().cpu().numpy()
         x = np.asarray(x)
         if name == HIDDEN:
             if x.dtype != np.uint16:
@@ -200,50 +238,58 @@ class CacheWriter:
             return x
         return x.astype(SMALL_ARRAYS[name], copy=False)
 
+    def _prepare(self, shard: int, input_ids, loss_mask, doc_ids, hidden) -> dict[str, np.ndarray]:
+        arrays = {"input_ids": input_ids, "loss_mask": loss_mask, "doc_ids": doc_ids, HIDDEN: hidden}
+        arrays = {k: self._as_numpy(k, v) for k, v in arrays.items()}
+        self._check_arrays(shard, arrays)
+        return arrays
+
     def _put_chunk(self, key: str, arr: np.ndarray, codec: Codec) -> tuple[int, int]:
         c = crc32(arr)
         data = codec.encode(arr)
-        try:
-            self.store.put(key, data)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise CacheError(f"disk full while writing {self.path}/{key}: free space or choose another --out") from e
-            raise CacheError(f"cannot write {self.path}/{key}: {e}") from e
+        self.store.put(key, data)  # raises CacheError naming the file (disk full, ...)
         return c, len(data)
 
     def write_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden) -> dict[str, Any]:
         """Write and commit one shard (blocking; chunks are encoded in parallel)."""
-        arrays = {"input_ids": input_ids, "loss_mask": loss_mask, "doc_ids": doc_ids, HIDDEN: hidden}
-        arrays = {k: self._as_numpy(k, v) for k, v in arrays.items()}
-        rows = self._check_arrays(shard, arrays)
+        return self._write(shard, self._prepare(shard, input_ids, loss_mask, doc_ids, hidden))
+
+    def _write(self, shard: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+        rows = arrays["doc_ids"].shape[0]
         T, W, C = self.spec.seq_len, self.spec.row_width, self.spec.hidden_chunk_tokens
         base = shard_key(shard)
         self.store.delete_prefix(base)  # whatever a crashed writer left
         self.store.put(f"{base}/zarr.json", group_json({}))
         jobs: dict[str, list[Future]] = {}
-        for name, dtype in SMALL_ARRAYS.items():
-            self.store.put(f"{base}/{name}/zarr.json", array_json((rows, T), (rows, T), dtype, SMALL_CODEC, {}))
-            jobs[name] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{name}", (0, 0)),
-                                                  np.ascontiguousarray(arrays[name]), self._small_codec)]
-        self.store.put(f"{base}/{HIDDEN}/zarr.json",
-                       array_json((rows, T, W), (1, C, W), "uint16", self.spec.codec,
-                                  {"dtype": self.spec.hidden_dtype, "layer_ids": self.spec.layer_ids}))
-        h = arrays[HIDDEN]
-        jobs[HIDDEN] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{HIDDEN}", (r, c, 0)),
-                                                h[r, c * C:(c + 1) * C], self._hidden_codec)
-                        for r in range(rows) for c in range(T // C)]
-        doc = arrays["doc_ids"]
-        stats = {
-            "rows": rows,
-            "real_tokens": int(np.count_nonzero(doc)),
-            "docs": int(doc.max(axis=1).astype(np.int64).sum()) if rows else 0,
-            "supervised_tokens": int(np.count_nonzero(arrays["loss_mask"])),
-        }
-        crcs, stored = {}, 0
-        for name, futs in jobs.items():
-            res = [f.result() for f in futs]
-            crcs[name] = [c for c, _ in res]
-            stored += sum(n for _, n in res)
+        try:
+            for name, dtype in SMALL_ARRAYS.items():
+                self.store.put(f"{base}/{name}/zarr.json", array_json((rows, T), (rows, T), dtype, SMALL_CODEC, {}))
+                jobs[name] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{name}", (0, 0)),
+                                                      np.ascontiguousarray(arrays[name]), self._small_codec)]
+            self.store.put(f"{base}/{HIDDEN}/zarr.json",
+                           array_json((rows, T, W), (1, C, W), "uint16", self.spec.codec,
+                                      {"dtype": self.spec.hidden_dtype, "layer_ids": self.spec.layer_ids}))
+            h = arrays[HIDDEN]
+            jobs[HIDDEN] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{HIDDEN}", (r, c, 0)),
+                                                    h[r, c * C:(c + 1) * C], self._hidden_codec)
+                            for r in range(rows) for c in range(T // C)]
+            doc = arrays["doc_ids"]
+            stats = {
+                "rows": rows,
+                "real_tokens": int(np.count_nonzero(doc)),
+                "docs": int(doc.max(axis=1).astype(np.int64).sum()) if rows else 0,
+                "supervised_tokens": int(np.count_nonzero(arrays["loss_mask"])),
+            }
+            crcs, stored = {}, 0
+            for name, futs in jobs.items():
+                res = [f.result() for f in futs]
+                crcs[name] = [c for c, _ in res]
+                stored += sum(n for _, n in res)
+        except BaseException:
+            for futs in jobs.values():  # the shard failed: do not write (or wait for) the rest of it
+                for f in futs:
+                    f.cancel()
+            raise
         record = {**stats, "crc32": crcs, "stored_bytes": stored, "writer": self.writer_id,
                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.store.put(f"{base}/zarr.json", group_json({COMMIT_KEY: record}))  # the commit: last, atomic
@@ -255,12 +301,21 @@ class CacheWriter:
 
     def submit_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden,
                      on_done: Callable[[Future], None] | None = None) -> Future:
-        """Write a shard in the background. The arrays must stay untouched until the future is done."""
-        fut = self._shard_pool.submit(self.write_shard, shard, input_ids, loss_mask, doc_ids, hidden)
+        """Write a shard in the background. The arrays must stay untouched until the future is done.
+
+        Shapes and dtypes are checked (and tensors moved to the CPU) here, in the caller's thread. Returns
+        at once unless max_queued_shards shards are pending; then it waits for one to finish, so a writer
+        slower than its producer holds bounded memory. Raises the error of an earlier failed shard.
+        """
+        arrays = self._prepare(shard, input_ids, loss_mask, doc_ids, hidden)
+        self.raise_errors()
+        while len(self._futures) >= self.max_queued_shards:
+            wait(self._futures, return_when=FIRST_COMPLETED)
+            self.raise_errors()
+        fut = self._shard_pool.submit(self._write, shard, arrays)
         if on_done is not None:
             fut.add_done_callback(on_done)
         self._futures.append(fut)
-        self.raise_errors()
         return fut
 
     def raise_errors(self) -> None:
@@ -274,11 +329,14 @@ class CacheWriter:
         self._futures = still
 
     def wait(self) -> None:
-        for f in list(self._futures):
+        """Wait for every submitted shard; raise the first error."""
+        futs, self._futures = self._futures, []
+        wait(futs)
+        for f in futs:
             f.result()
-        self._futures = []
 
     def close(self) -> None:
+        """Wait for every submitted shard, shut the threads down, then raise the first error if any."""
         try:
             self.wait()
         finally:
