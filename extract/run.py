@@ -36,7 +36,15 @@ from .data import (
     tokenizer_fingerprint,
 )
 from .pack import materialize, pack, pack_stats
-from .target import PackedTarget, load_config, load_tokenizer, target_info, text_config, validate_layer_ids
+from .target import (
+    PackedTarget,
+    TargetError,
+    load_config,
+    load_tokenizer,
+    target_info,
+    text_config,
+    validate_layer_ids,
+)
 
 
 @dataclass
@@ -69,11 +77,13 @@ class ExtractConfig:
         check(self.seq_len >= 16, "seq_len", f"must be >= 16, got {self.seq_len}")
         check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be positive")
         check(self.num_context_layers >= 1, "num_context_layers", "must be >= 1")
-        check(self.rows_per_shard >= 0 and self.batch_rows >= 0, "rows_per_shard", "must be >= 0")
+        check(self.rows_per_shard >= 0, "rows_per_shard", f"must be >= 0 (0: about 512 MB per shard), got {self.rows_per_shard}")
+        check(self.batch_rows >= 0, "batch_rows", f"must be >= 0 (0: about 16k tokens per forward), got {self.batch_rows}")
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
         check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
-        check(self.writer_threads >= 1 and self.host_buffers >= 1, "writer_threads", "must be >= 1")
+        check(self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
+        check(self.host_buffers >= 1, "host_buffers", f"must be >= 1, got {self.host_buffers}")
 
 
 def plan_sizes(cfg: ExtractConfig, row_bytes: int) -> tuple[int, int]:
@@ -100,8 +110,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     else:
         from train.model import default_layer_ids
 
-        layer_ids = validate_layer_ids(default_layer_ids(tc.num_hidden_layers, cfg.num_context_layers),
-                                       tc.num_hidden_layers, cfg.target)
+        try:
+            default = default_layer_ids(tc.num_hidden_layers, cfg.num_context_layers)
+        except ValueError as e:  # a target too shallow for the rule: a clear error naming the flag, not a traceback
+            raise TargetError(f"--layers: {e}") from e
+        layer_ids = validate_layer_ids(default, tc.num_hidden_layers, cfg.target)
     H = tc.hidden_size
 
     # 2. the data, tokenised with the target's chat template and packed (identically on every rank)
