@@ -247,6 +247,17 @@ def latest_checkpoint(out: str) -> str | None:
     return full if os.path.exists(os.path.join(full, "trainer.json")) else None
 
 
+def drop_metrics_after(out: str, step: int) -> None:
+    """Remove the records of steps > step from RUN/metrics.jsonl (they are about to be redone)."""
+    metrics = os.path.join(out, "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
+        with open(metrics + ".tmp", "w") as f:
+            f.writelines(keep)
+        os.replace(metrics + ".tmp", metrics)
+
+
 def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.Optimizer, state: dict, keep: int) -> str:
     """RUN/checkpoints/step_N (written under a temporary name, then renamed), then `latest` points to it."""
     ck = os.path.join(out, "checkpoints")
@@ -365,6 +376,8 @@ class Trainer:
         ck = latest_checkpoint(cfg.out)
         if ck:
             self._restore(ck)
+        elif self.dist.is_main:  # a run killed before its first checkpoint starts over: forget what it logged
+            drop_metrics_after(cfg.out, 0)
         fwd = self.model.forward_train
         if self.compiled:
             mode = "reduce-overhead" if self.cuda else None
@@ -385,13 +398,8 @@ class Trainer:
         with open(os.path.join(ck, "trainer.json")) as f:
             st = json.load(f)
         self.step = int(st["step"])
-        metrics = os.path.join(self.cfg.out, "metrics.jsonl")
-        if self.dist.is_main and os.path.exists(metrics):  # drop records logged after the checkpoint we resume from
-            with open(metrics) as f:
-                keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= self.step]
-            with open(metrics + ".tmp", "w") as f:
-                f.writelines(keep)
-            os.replace(metrics + ".tmp", metrics)
+        if self.dist.is_main:  # drop records logged after the checkpoint we resume from
+            drop_metrics_after(self.cfg.out, self.step)
         print0(f"train: resumed from {ck} at step {self.step}")
 
     # -- data ---------------------------------------------------------------------------------
