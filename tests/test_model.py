@@ -330,3 +330,31 @@ def test_save_load_round_trip_and_servable_layout(tmp_path):
         b, _ = m2.forward_train(hidden, ids, lm, doc, scores, 8)
     assert torch.equal(a, b)
     assert m2.cfg == m.cfg
+
+
+def test_chunked_loss_equals_full_logits_reference():
+    """The chunked linear-CE (no [slots, vocab] tensor) gives the reference loss, gradients and metrics."""
+    import train.model as tm
+
+    m = tiny()
+    hidden, ids, lm, doc, scores = batch()
+    N, B, R = 12, m.cfg.block_size, 2
+    b = make_blocks(ids, lm, doc, scores, N, B, m.cfg.mask_token_id)
+    logits = _packed_logits(m, hidden, ids, lm, doc, scores, N)
+    ref, ref_met = block_loss(logits, b, 7.0)
+    ref.backward()
+    ref_grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+    for chunk in (5, 10_000):  # many chunks (uneven tail) and one
+        m.zero_grad(set_to_none=True)
+        orig = tm.ce_chunk
+        tm.ce_chunk = lambda vocab, budget_bytes=0, c=chunk: c
+        try:
+            loss, met = m.forward_train(hidden, ids, lm, doc, scores, N)
+        finally:
+            tm.ce_chunk = orig
+        loss.backward()
+        assert torch.allclose(loss, ref, rtol=1e-6, atol=1e-6)
+        for k in ("tau", "slot_acc", "slot_count", "weight"):
+            assert torch.allclose(met[k], ref_met[k]), k
+        for n, p in m.named_parameters():
+            assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n

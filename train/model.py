@@ -387,7 +387,9 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
         own = (kv - T) // B == n
         return torch.where(kv < T, ctx_ok, own)
 
-    return create_block_mask(mask_mod, R, None, N * B, T + N * B, device=doc_ids.device)
+    # eager create_block_mask would materialise the whole [R, N*B, T+N*B] grid (tens of GB at 8B scale)
+    return create_block_mask(mask_mod, R, None, N * B, T + N * B, device=doc_ids.device,
+                             _compile=doc_ids.is_cuda and not torch.compiler.is_compiling())
 
 
 # --------------------------------------------------------------------------------------------
@@ -463,8 +465,8 @@ class DFlashDrafter(nn.Module):
             if w not in masks:
                 masks[w] = make(blocks, doc_ids, w)
             x = self._layer(layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, masks[w])
-        logits = self.logits(x.view(R, N, B, -1)[:, :, 1:])  # [R, N, B-1, V]
-        return block_loss(logits, blocks, gamma)
+        h = self.norm(x.view(R, N, B, -1)[:, :, 1:])  # slots 1..B-1: [R, N, B-1, H]
+        return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
 
     def _layer(self, layer: Layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask):
         att = layer.self_attn
@@ -549,8 +551,59 @@ def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
     return w
 
 
+class _LinearCrossEntropy(torch.autograd.Function):
+    """sum_i w_i * CE(x_i @ W^T, y_i) and argmax_i, computed chunk by chunk with the gradient w.r.t. x
+    formed on the fly, so the [slots, vocab] logits never exist at once (W is frozen: no grad).
+    A 4 x 512 x 15-slot batch over a 152k vocabulary would otherwise hold ~19 GB of float32 logits."""
+
+    @staticmethod
+    def forward(ctx, x, weight, labels, w, chunk: int):
+        n = x.shape[0]
+        total = torch.zeros((), dtype=torch.float32, device=x.device)
+        grad = torch.empty_like(x)
+        preds = []
+        for s in range(0, n, chunk):
+            logits = (x[s:s + chunk] @ weight.t()).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            y = labels[s:s + chunk]
+            wc = w[s:s + chunk]
+            total = total + ((lse - logits.gather(1, y[:, None])[:, 0]) * wc).sum()
+            preds.append(logits.argmax(-1))
+            p = torch.exp(logits - lse[:, None])  # softmax; d CE / d logits = p - onehot(y)
+            p = p.scatter_add(1, y[:, None], -torch.ones_like(lse)[:, None]) * wc[:, None]
+            grad[s:s + chunk] = (p.to(x.dtype) @ weight).to(x.dtype)
+        pred = torch.cat(preds)
+        ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(pred)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, g_total, g_pred):
+        (grad,) = ctx.saved_tensors
+        return grad * g_total.to(grad.dtype), None, None, None, None
+
+
+def ce_chunk(vocab: int, budget_bytes: int = 1 << 30) -> int:
+    """Slots per chunk so that one chunk's float32 logits stay near budget_bytes."""
+    return max(256, budget_bytes // (4 * vocab))
+
+
+def chunked_block_loss(h: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks, gamma: float):
+    """The objective from the drafter's normalised slot outputs h [R, N, B-1, H] (no full logits)."""
+    R, N, Bm1, H = h.shape
+    labels = blocks.labels[..., 1:]
+    valid = blocks.label_valid[..., 1:]
+    w = slot_weights(Bm1 + 1, gamma, h.device)[1:]
+    wv = w * valid.float()
+    denom = wv.sum()
+    total, pred = _LinearCrossEntropy.apply(h.reshape(-1, H), lm_head, labels.reshape(-1), wv.reshape(-1),
+                                            ce_chunk(lm_head.shape[0]))
+    loss = total / denom.clamp(min=1e-6)
+    return loss, block_metrics(pred.view(R, N, Bm1), blocks, loss, denom)
+
+
 def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted CE over slots 1..B-1 plus per-slot accuracy and expected acceptance length (tensors only)."""
+    """Reference form of the objective from full logits [R, N, B-1, V]: weighted CE over slots 1..B-1."""
     R, N, Bm1, V = logits.shape
     labels = blocks.labels[..., 1:]
     valid = blocks.label_valid[..., 1:]
@@ -559,8 +612,15 @@ def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> tuple[torc
     wv = w * valid.float()
     denom = wv.sum()
     loss = (ce * wv).sum() / denom.clamp(min=1e-6)
+    return loss, block_metrics(logits.argmax(-1), blocks, loss, denom)
+
+
+def block_metrics(pred: torch.Tensor, blocks: Blocks, loss: torch.Tensor, denom: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Per-slot accuracy and the expected acceptance length from argmax predictions [R, N, B-1]."""
+    labels = blocks.labels[..., 1:]
+    valid = blocks.label_valid[..., 1:]
     with torch.no_grad():
-        correct = (logits.argmax(-1) == labels) & valid
+        correct = (pred == labels) & valid
         slot_valid = valid.float().sum((0, 1))
         slot_acc = correct.float().sum((0, 1)) / slot_valid.clamp(min=1)
         # verification accepts the longest correct prefix: tau = 1 + sum_k prod_{j<=k} correct_j
@@ -568,9 +628,8 @@ def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> tuple[torc
         av = blocks.anchor_valid.float()
         n_blocks = av.sum()
         tau = 1 + (accepted * av).sum() / n_blocks.clamp(min=1)
-    metrics = {"loss": loss.detach(), "slot_acc": slot_acc, "slot_count": slot_valid, "tau": tau,
-               "blocks": n_blocks, "weight": denom.detach()}
-    return loss, metrics
+    return {"loss": loss.detach(), "slot_acc": slot_acc, "slot_count": slot_valid, "tau": tau,
+            "blocks": n_blocks, "weight": denom.detach()}
 
 
 # --------------------------------------------------------------------------------------------
