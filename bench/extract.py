@@ -1,0 +1,203 @@
+"""Extraction benchmark: pure target forward vs end-to-end `dflash extract` vs the peers' torch.save.
+
+    python bench/extract.py                          # Qwen3-8B-shaped random target, T = 4096, on one GPU
+    python bench/extract.py --chats 300 --json out.json --disk-dir /root/bench
+
+In one run, on the same packed rows:
+  1. the truncated target's pure forward tokens/s (flex document mask; also plain causal, no mask,
+     and the SDPA 4D mask), no capture, nothing copied to the host;
+  2. `dflash extract` end to end to committed shards in /dev/shm (isolates the pipeline's overhead),
+     and to the machine's disk (disk-bound: GB/s written is reported);
+  3. the peers' way: the same forwards, then one torch.save file per sample of the K concatenated
+     layers (synchronous copies), tokens/s and bytes per token.
+Speed does not depend on the weights, so the target is random (built on the GPU, saved once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import QWEN3_8B, SMOLLM2, hardware, random_target_dir, synthetic_chats, table, write_jsonl  # noqa: E402
+
+
+def dir_bytes(p: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(p) for f in fs)
+
+
+def packed_rows(target: str, data: str, seq_len: int):
+    from extract.data import ChatTokenizer, load_chat_dataset, tokenize_dataset
+    from extract.pack import materialize, pack
+    from extract.target import load_tokenizer
+
+    tok = load_tokenizer(target)
+    docs = tokenize_dataset(load_chat_dataset(data), ChatTokenizer(tok), seq_len, data, progress=False)
+    plan = pack(docs.lengths, seq_len)
+    return materialize(plan, docs.docs, seq_len, tok.pad_token_id or 0, 0, len(plan)), docs, plan
+
+
+def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool) -> float:
+    """Real tokens/s of the target over all rows; mode: flex | sdpa (document masks) | causal (no mask)."""
+    from extract.target import packed_block_mask, packed_causal_mask
+
+    dev = pt.device
+    n = rows["input_ids"].shape[0]
+    T = rows["input_ids"].shape[1]
+    W = len(pt.layer_ids) * pt.hidden_size
+    out = torch.empty(batch_rows, T, W, dtype=torch.bfloat16, device=dev)
+    batches = []
+    for i in range(0, n - batch_rows + 1, batch_rows):
+        batches.append({k: torch.from_numpy(rows[k][i:i + batch_rows]).to(dev, torch.long)
+                        for k in ("input_ids", "position_ids", "doc_ids")})
+    real = sum(int((b["doc_ids"] > 0).sum()) for b in batches)
+
+    def one(b):
+        with torch.inference_mode():
+            if mode == "causal":
+                pt.capture.out = out if capture else None
+                pt.model(input_ids=b["input_ids"], position_ids=b["position_ids"], use_cache=False)
+                pt.capture.out = None
+            elif mode == pt.attn:
+                if capture:
+                    pt.run(b["input_ids"], b["position_ids"], b["doc_ids"], out)
+                else:
+                    mask = packed_block_mask(b["doc_ids"]) if mode == "flex" else packed_causal_mask(b["doc_ids"])[:, None]
+                    pt.model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=mask, use_cache=False)
+            else:
+                raise ValueError(mode)
+
+    one(batches[0])  # warm-up (flex compiles its kernel on first use)
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for b in batches:
+        one(b)
+    torch.cuda.synchronize()
+    return real / (time.perf_counter() - t)
+
+
+def peer_torch_save(pt, rows, plan, docs, batch_rows: int, out_dir: str, max_rows: int) -> dict:
+    """One torch.save per sample (the K layers concatenated), synchronous, as the peers do."""
+    dev = pt.device
+    os.makedirs(out_dir, exist_ok=True)
+    T = rows["input_ids"].shape[1]
+    W = len(pt.layer_ids) * pt.hidden_size
+    out = torch.empty(batch_rows, T, W, dtype=torch.bfloat16, device=dev)
+    n = min(max_rows, rows["input_ids"].shape[0])
+    tokens = 0
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for i in range(0, n - batch_rows + 1, batch_rows):
+        b = {k: torch.from_numpy(rows[k][i:i + batch_rows]).to(dev, torch.long) for k in ("input_ids", "position_ids", "doc_ids")}
+        pt.run(b["input_ids"], b["position_ids"], b["doc_ids"], out)
+        for r in range(batch_rows):
+            start = 0
+            for d in plan[i + r]:
+                ids, mask = docs.docs[d]
+                L = len(ids)
+                torch.save({"hidden": out[r, start:start + L].cpu(), "input_ids": torch.from_numpy(ids),
+                            "loss_mask": torch.from_numpy(mask)}, os.path.join(out_dir, f"sample_{d}.pt"))
+                start += L
+                tokens += L
+    dt = time.perf_counter() - t
+    return {"tok_s": tokens / dt, "bytes_per_token": dir_bytes(out_dir) / tokens, "tokens": tokens}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=["qwen3-8b", "smollm2"], default="qwen3-8b")
+    ap.add_argument("--seq-len", type=int, default=4096)
+    ap.add_argument("--chats", type=int, default=600, help="synthetic chats (~900 tokens mean, log-normal)")
+    ap.add_argument("--batch-rows", type=int, default=4)
+    ap.add_argument("--codec", default="zstd")
+    ap.add_argument("--shm-dir", default="/dev/shm/dflash-bench-extract")
+    ap.add_argument("--disk-dir", default=None, help="a directory on the machine's disk (skipped if not given)")
+    ap.add_argument("--peer-rows", type=int, default=32, help="rows for the torch.save comparison")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: forward,shm,disk,peer")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    skip = set(filter(None, a.skip.split(",")))
+    from extract.run import ExtractConfig, run_extract
+    from extract.target import PackedTarget
+    from train.model import default_layer_ids
+
+    shape = QWEN3_8B if a.shape == "qwen3-8b" else SMOLLM2
+    os.makedirs(a.shm_dir, exist_ok=True)
+    t = time.perf_counter()
+    target = random_target_dir(os.path.join(a.shm_dir, f"target-{a.shape}"), shape)
+    build_s = time.perf_counter() - t
+    data = write_jsonl(os.path.join(a.shm_dir, "chats.jsonl"), synthetic_chats(a.chats, max_tokens=a.seq_len - 96))
+    layer_ids = default_layer_ids(shape["num_hidden_layers"])
+    res: dict = {"hardware": hardware(), "torch": torch.__version__, "shape": a.shape, "seq_len": a.seq_len,
+                 "layer_ids": layer_ids, "target_build_s": build_s}
+    rows, docs, plan = packed_rows(target, data, a.seq_len)
+    real = int((rows["doc_ids"] > 0).sum())
+    res.update(rows=len(plan), real_tokens=real, padding=1 - real / rows["doc_ids"].size)
+    print(f"{len(plan)} rows x {a.seq_len}, {real:,} real tokens, padding {100 * res['padding']:.2f}%", flush=True)
+
+    table_rows = []
+    if "forward" not in skip or "peer" not in skip:
+        pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="flex")
+        if "forward" not in skip:
+            for mode, cap in (("causal", False), ("flex", False), ("flex", True)):
+                tps = forward_speed(pt, rows, a.batch_rows, mode, cap)
+                name = {"causal": "pure forward, plain causal (no document mask)",
+                        "flex": "pure forward, flex document mask"}[mode] + (" + capture into GPU buffer" if cap else "")
+                table_rows.append({"what": name, "tok_s": tps})
+                res[f"forward_{mode}{'_capture' if cap else ''}_tok_s"] = tps
+                print(table_rows[-1], flush=True)
+        if "peer" not in skip:
+            peer = peer_torch_save(pt, rows, plan, docs, a.batch_rows, os.path.join(a.shm_dir, "peer"), a.peer_rows)
+            res["peer"] = peer
+            table_rows.append({"what": "peers: torch.save per sample (/dev/shm)", "tok_s": peer["tok_s"],
+                               "bytes_per_token": peer["bytes_per_token"]})
+            print(table_rows[-1], flush=True)
+            shutil.rmtree(os.path.join(a.shm_dir, "peer"), ignore_errors=True)
+        del pt
+        torch.cuda.empty_cache()
+        pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="sdpa")
+        if "forward" not in skip:
+            tps = forward_speed(pt, rows, a.batch_rows, "sdpa", False)
+            res["forward_sdpa_tok_s"] = tps
+            table_rows.append({"what": "pure forward, SDPA 4D document mask", "tok_s": tps})
+            print(table_rows[-1], flush=True)
+        del pt
+        torch.cuda.empty_cache()
+
+    for where, base in (("shm", a.shm_dir), ("disk", a.disk_dir)):
+        if where in skip or not base:
+            continue
+        out = os.path.join(base, "cache")
+        shutil.rmtree(out, ignore_errors=True)
+        cfg = ExtractConfig(target=target, data=data, out=out, seq_len=a.seq_len, layers=layer_ids,
+                            batch_rows=a.batch_rows, codec=a.codec, writer_threads=12, progress=False)
+        s = run_extract(cfg)
+        size = dir_bytes(out)
+        r = {"what": f"dflash extract end to end -> {'/dev/shm' if where == 'shm' else 'disk'} ({a.codec})",
+             "tok_s": s["tokens_per_s_this_rank"], "bytes_per_token": size / real,
+             "write_GB_s": s["bytes_written_this_rank"] / s["elapsed_s"] / 1e9, "elapsed_s": s["elapsed_s"]}
+        if "forward_flex_tok_s" in res:
+            r["vs_pure_forward"] = r["tok_s"] / res["forward_flex_tok_s"]
+        res[f"extract_{where}"] = r
+        table_rows.append(r)
+        print(r, flush=True)
+        shutil.rmtree(out, ignore_errors=True)
+
+    print(f"\nhardware: {res['hardware']}, torch {res['torch']}; {a.shape}-shaped random target, T={a.seq_len}, "
+          f"K={len(layer_ids)} layers {layer_ids}, {res['rows']} rows, {real:,} real tokens")
+    print(table(table_rows, ["what", "tok_s", "vs_pure_forward", "bytes_per_token", "write_GB_s", "elapsed_s"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Training-step benchmark: eager vs compiled CUDA-graph steps of the real trainer, from a real cache.
+
+    python bench/train.py                       # Qwen3-8B-shaped drafter and the demo-size drafter
+    python bench/train.py --shapes demo --steps 40 --json out.json
+
+Qwen3-8B shape (the peers' offline defaults): 5 layers, H 4096, vocab 151,936, B 16, 4 rows x 3072
+tokens, 512 anchors per row, gamma 7, bf16 weights, fused AdamW. The cache is synthetic (random
+bf16 hidden states, realistic packing) and written with dflash_cache; the target directory holds
+only the embedding and LM head (all `dflash train` reads). Reports tokens/s, step time, MFU
+(matmul FLOPs: trainable x3, frozen LM head x2, over 989 TFLOP/s dense bf16), recompiles after
+warm-up, and the fraction of time the step waited for data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench.common import QWEN3_8B, SMOLLM2, hardware, random_target_dir, table  # noqa: E402
+
+SHAPES = {
+    # name: (target shape, seq_len, rows, anchors, block, drafter layers)
+    "qwen3-8b": (QWEN3_8B, 3072, 4, 512, 16, 5),
+    "demo": (SMOLLM2, 512, 4, 64, 16, 2),
+}
+
+
+def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: list[int], seed: int = 0) -> str:
+    import dflash_cache
+    from extract.target import target_info
+
+    info = target_info(target)
+    if os.path.exists(os.path.join(path, "zarr.json")):
+        return path
+    H = info.hidden_size
+    spec = dflash_cache.CacheSpec(seq_len=seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=rows,
+                                  rows_per_shard=4, codec="zstd", info={"target": info.as_dict()})
+    rng = np.random.default_rng(seed)
+    g = torch.Generator().manual_seed(seed)
+    with dflash_cache.CacheWriter(path, spec, threads=16) as w:
+        for s in range(spec.num_shards):
+            _, n = spec.shard_rows(s)
+            doc = np.zeros((n, seq_len), np.int32)
+            lm = np.zeros((n, seq_len), np.uint8)
+            for r in range(n):  # 3-6 documents per row, ~3% padding, prompts unsupervised
+                cuts = np.sort(rng.choice(np.arange(64, seq_len - 64), size=rng.integers(2, 6), replace=False))
+                end = int(seq_len * 0.97)
+                bounds = [0, *[c for c in cuts if c < end], end]
+                for d in range(len(bounds) - 1):
+                    a, b = bounds[d], bounds[d + 1]
+                    doc[r, a:b] = d + 1
+                    lm[r, a + (b - a) // 4:b] = 1
+            ids = rng.integers(0, info.vocab_size, (n, seq_len), dtype=np.int32)
+            hid = (torch.randn(n, seq_len, H * len(layer_ids), generator=g) * 2).to(torch.bfloat16)
+            hid[torch.from_numpy(doc == 0)] = 0
+            w.write_shard(s, ids, lm, doc, hid)
+    return path
+
+
+def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16"):
+    from train.trainer import Trainer, TrainConfig
+
+    _, T, rows, anchors, block, layers = shape
+    shutil.rmtree(out, ignore_errors=True)
+    cfg = TrainConfig(cache=cache, target=target, out=out, drafter_layers=layers, block_size=block, num_anchors=anchors,
+                      batch_rows=rows, max_steps=steps, log_every=log_every, save_every=10**9, compile=compile_,
+                      attn=attn, param_dtype=dtype, progress=False, overwrite=True, loader_threads=8)
+    tr = Trainer(cfg)
+    res = tr.train()
+    hist = res["history"][1:] or res["history"]  # the first window holds warm-up / compilation
+    ms = float(np.median([h["step_ms"] for h in hist]))
+    r = {
+        "compile": compile_, "attn": attn, "step_ms": ms,
+        "ctx_tok_s": rows * T / ms * 1000, "block_tok_s": rows * anchors * block / ms * 1000,
+        "mfu": tr.flops / (ms / 1000) / 989e12 if torch.cuda.is_available() else None,
+        "tflops": tr.flops / (ms / 1000) / 1e12,
+        "recompiles": res["recompiles_after_warmup"],
+        "data_wait": float(np.mean([h["data_wait_frac"] for h in hist])),
+        "loss_first": res["history"][0]["loss"], "loss_last": res["history"][-1]["loss"],
+        "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+    }
+    del tr
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    return r
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="qwen3-8b,demo")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--log-every", type=int, default=5)
+    ap.add_argument("--workdir", default=None, help="default: /dev/shm/dflash-bench-train or a temp dir")
+    ap.add_argument("--modes", default="eager:flex,compiled:flex", help="comma list of compile:attn (eager|compiled : flex|sdpa)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    wd = a.workdir or ("/dev/shm/dflash-bench-train" if os.path.isdir("/dev/shm") else tempfile.mkdtemp())
+    os.makedirs(wd, exist_ok=True)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    results = []
+    for name in a.shapes.split(","):
+        shape = SHAPES[name]
+        tshape, T, rows, anchors, block, layers = shape
+        target = random_target_dir(os.path.join(wd, f"target-{name}"), tshape, device=dev, head_only=True)
+        from train.model import default_layer_ids
+
+        cache = synthetic_cache(os.path.join(wd, f"cache-{name}"), target, T, max(32, rows * 8),
+                                default_layer_ids(tshape["num_hidden_layers"]))
+        for mode in a.modes.split(","):
+            comp, attn = mode.split(":")
+            if attn == "flex" and dev == "cpu":
+                continue
+            try:
+                r = run_one(cache, target, os.path.join(wd, f"run-{name}-{comp}-{attn}"), shape,
+                            "on" if comp == "compiled" else "off", attn, a.steps, a.log_every)
+            except Exception as e:  # noqa: BLE001 - a failed mode is a result too (e.g. out of memory)
+                r = {"compile": "on" if comp == "compiled" else "off", "attn": attn, "error": repr(e)[:300]}
+                gc.collect()
+                torch.cuda.empty_cache() if torch.cuda.is_available() else None
+            r["shape"] = name
+            results.append(r)
+            print(json.dumps(r), flush=True)
+    by = {(r["shape"], r["compile"], r["attn"]): r for r in results}
+    for name in a.shapes.split(","):
+        e, c = by.get((name, "off", "flex")), by.get((name, "on", "flex"))
+        if e and c and "step_ms" in e and "step_ms" in c:
+            c["speedup_vs_eager"] = e["step_ms"] / c["step_ms"]
+    print(f"\nhardware: {hardware()}, torch {torch.__version__}")
+    print(table(results, ["shape", "compile", "attn", "step_ms", "ctx_tok_s", "block_tok_s", "tflops", "mfu",
+                          "recompiles", "data_wait", "speedup_vs_eager", "peak_mem_gib", "loss_first", "loss_last", "error"]))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""GPU paths (skipped without CUDA): flex attention, CUDA streams + pinned buffers, CUDA-graph steps."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    d = tmp_path_factory.mktemp("gpu")
+    target = make_tiny_target(str(d / "target"), arch="qwen3", num_layers=6, hidden=64)
+    data = write_jsonl(str(d / "chats.jsonl"), chat_rows(120, seed=3))
+    return d, target, data
+
+
+def _cli(*args, env=None):
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "dflash", *args], cwd=ROOT, capture_output=True, text=True, env=e)
+
+
+def test_flex_drafter_matches_sdpa_with_gradients():
+    from train.model import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.named("tiny", block_size=8)
+    m = DFlashDrafter(cfg).cuda().float()
+    m.set_target_head(torch.randn(512, 64) * 0.3, torch.randn(512, 64) * 0.3)
+    R, T = 2, 256
+    hidden = torch.randn(R, T, 128, device="cuda").to(torch.bfloat16)
+    ids = torch.randint(0, 500, (R, T), device="cuda")
+    doc = torch.ones(R, T, dtype=torch.long, device="cuda")
+    doc[:, 100:] = 2
+    doc[:, 240:] = 0
+    lm = (doc > 0).to(torch.uint8)
+    lm[:, :20] = 0
+    sc = torch.rand(R, T, device="cuda")
+    out = {}
+    for impl in ("sdpa", "flex"):
+        m.attn_impl = impl
+        m.zero_grad(set_to_none=True)
+        fwd = torch.compile(m.forward_train, dynamic=False) if impl == "flex" else m.forward_train
+        loss, _ = fwd(hidden, ids, lm, doc, sc, 32)
+        loss.backward()
+        out[impl] = (loss.detach(), m.fc.weight.grad.clone())
+    assert torch.allclose(out["flex"][0], out["sdpa"][0], rtol=1e-4, atol=1e-4)
+    assert torch.allclose(out["flex"][1], out["sdpa"][1], rtol=1e-3, atol=1e-5)
+
+
+def test_extract_on_gpu_matches_cpu(assets):
+    import dflash_cache
+
+    d, target, data = assets
+    for dev, attn in (("cuda", "flex"), ("cuda", "sdpa"), ("cpu", "sdpa")):
+        r = _cli("extract", "--target", target, "--data", data, "--out", str(d / f"c-{dev}-{attn}"), "--seq-len", "256",
+                 "--rows-per-shard", "4", "--batch-rows", "2", "--device", dev, "--attn", attn,
+                 "--dtype", "float32" if dev == "cpu" else "bfloat16")
+        assert r.returncode == 0, r.stderr[-3000:]
+    ref = dflash_cache.open(str(d / "c-cpu-sdpa"))
+    for name in ("c-cuda-flex", "c-cuda-sdpa"):
+        c = dflash_cache.open(str(d / name))
+        assert len(c) == len(ref)
+        assert dflash_cache.verify(str(d / name)).ok
+        for i in range(0, len(c), 7):
+            a, b = c[i], ref[i]
+            assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["doc_ids"], b["doc_ids"])
+            x, y = a["hidden"].float(), b["hidden"].float()
+            assert (x - y).norm() / y.norm() < 0.05, (name, i)
+            assert (x[b["doc_ids"] == 0] == 0).all()
+
+
+def test_compiled_cuda_graph_training_matches_eager(assets):
+    d, target, data = assets
+    cache = str(d / "c-cuda-flex")
+    if not os.path.exists(cache):
+        pytest.skip("needs the extraction test's cache")
+    runs = {}
+    for comp in ("off", "on"):
+        out = str(d / f"run-{comp}")
+        r = _cli("train", "--cache", cache, "--target", target, "--out", out, "--max-steps", "12", "--log-every", "1",
+                 "--drafter-layers", "2", "--block-size", "4", "--num-anchors", "32", "--batch-rows", "2",
+                 "--param-dtype", "float32", "--compile", comp, "--lr", "1e-3", "--no-progress", "--overwrite")
+        assert r.returncode == 0, r.stderr[-3000:]
+        runs[comp] = [json.loads(x)["loss"] for x in open(os.path.join(out, "metrics.jsonl"))]
+        summ = json.load(open(os.path.join(out, "summary.json")))
+        assert summ["recompiles_after_warmup"] == 0
+    e, c = torch.tensor(runs["off"]), torch.tensor(runs["on"])
+    assert torch.allclose(e, c, rtol=2e-3, atol=2e-3), (e, c)
+
+
+def test_pinned_batches_release_and_reuse(assets):
+    import dflash_cache
+
+    d, _, _ = assets
+    cache = str(d / "c-cuda-flex")
+    if not os.path.exists(cache):
+        pytest.skip("needs the extraction test's cache")
+    c = dflash_cache.open(cache)
+    seen = []
+    for b in c.batches(2, pin_memory=True, prefetch=2):
+        assert b["hidden"].is_pinned()
+        x = b["hidden"].cuda(non_blocking=True)
+        torch.cuda.synchronize()
+        b.release()
+        seen += b["row_index"][b["row_valid"]].tolist()
+        assert x.shape[0] == 2
+    assert sorted(seen) == list(range(len(c)))
+
+
+def test_eval_on_gpu(assets):
+    d, target, data = assets
+    run = str(d / "run-on")
+    if not os.path.exists(os.path.join(run, "final")):
+        pytest.skip("needs the training test's drafter")
+    out = str(d / "eval.json")
+    r = _cli("eval", "--target", target, "--drafter", os.path.join(run, "final"), "--data", data, "--max-prompts", "4",
+             "--max-new-tokens", "24", "--json", out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.load(open(out))
+    assert rep["device"].startswith("cuda") and rep["dtype"] == "bfloat16"
+    assert 1.0 <= rep["dflash"]["tau"] <= 4.0 and 1.0 <= rep["ngram"]["tau"] <= 4.0
+    assert 0.0 <= rep["dflash"]["output_match_rate"] <= 1.0
