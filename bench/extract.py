@@ -172,6 +172,13 @@ def main():
         del pt
         torch.cuda.empty_cache()
 
+    if "shm" not in skip or ("disk" not in skip and a.disk_dir):
+        # warm-up: the first extraction in a process compiles the flex kernels (seconds); keep that out
+        warm = os.path.join(a.shm_dir, "warmup-cache")
+        run_extract(ExtractConfig(target=target, data=data, out=warm, seq_len=a.seq_len, layers=layer_ids,
+                                  batch_rows=a.batch_rows, codec=a.codec, max_samples=40, progress=False,
+                                  overwrite=True))
+        shutil.rmtree(warm, ignore_errors=True)
     for where, base in (("shm", a.shm_dir), ("disk", a.disk_dir)):
         if where in skip or not base:
             continue
