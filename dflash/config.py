@@ -16,12 +16,14 @@ from typing import Any, TypeVar
 
 import yaml
 
+from dflash.errors import DflashError
+
 C = TypeVar("C")
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
-class ConfigError(ValueError):
+class ConfigError(DflashError, ValueError):
     """A bad setting; the message names the flag (e.g. --seq-len)."""
 
 

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 
+from dflash.errors import DflashError
+
 log = logging.getLogger(__name__)
 
 
-class TargetError(Exception):
+class TargetError(DflashError):
     """A target model that cannot be used, with the reason and the path."""
 
 

@@ -34,13 +34,14 @@ import dflash_cache
 from dflash import progress
 from dflash.config import ConfigError, check
 from dflash.dist import barrier, compute_init, print0
+from dflash.errors import DflashError
 
 from .model import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
 
 H200_PEAK_BF16 = 989e12  # dense bf16 FLOP/s, datasheet (measured here: ~790e12 on an 8192^3 matmul)
 
 
-class TrainError(Exception):
+class TrainError(DflashError):
     """A run that cannot proceed; the message says why and what to do."""
 
 
