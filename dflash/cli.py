@@ -265,5 +265,78 @@ def eval_cmd(preset, **flags):
     click.echo(format_report(run_eval(cfg)))
 
 
+@main.command()
+@click.option("--target", help="The target model that writes the answers: a local HF model directory or a .gguf file.")
+@click.option("--data", help="Chat data: a json/jsonl/parquet file, a glob, a directory, or a save_to_disk dataset "
+              "(OpenAI `messages`, ShareGPT `conversations`, or a `prompt` column).")
+@click.option("--out", help="Directory for the regenerated dataset (`messages` jsonl parts, read by `dflash extract --data`).")
+@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@click.option("--split", help="Dataset split.  [default: train]")
+@click.option("--max-samples", type=int, help="Use only the first N conversations.")
+@click.option("--max-new-tokens", type=int, help="Longest answer per assistant turn; longer ones are cut and counted as truncated.  [default: 2048]")
+@click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy.  [default: 0]")
+@click.option("--top-p", type=float, help="Nucleus sampling mass (with --temperature > 0).  [default: 1.0]")
+@click.option("--seed", type=int, help="Sampling seed; a conversation's text depends only on it, its row and the settings.  [default: 0]")
+@click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
+@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
+@click.option("--part-size", type=int, help="Conversations per committed part (the unit of resume).  [default: 256]")
+@click.option("--batch-size", type=int, help="Sequences decoded together.  [default: 256 on GPU, 32 on CPU]")
+@click.option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.  [default: from free GPU memory; 4 GiB of cache on CPU]")
+@click.option("--prefill-tokens", type=int, help="Padded prompt tokens per prefill forward.  [default: 16384 on GPU, 2048 on CPU]")
+@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
+@click.option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
+@click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
+@click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3).")
+@click.option("--json", "json_out", help="Also write the run summary to this JSON file.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def regenerate(preset, gpus, json_out, no_progress, **flags):
+    """Regenerate every assistant turn of a chat dataset with the target itself.
+
+    System and user turns are kept; each assistant turn is rewritten by the target, turn by
+    turn (a turn's prompt holds the target's own earlier answers). DFlash drafters learn the
+    target's own distribution: train on what the target would say. Parts of --part-size
+    conversations are committed as they finish; rerunning the same command resumes, and a
+    changed setting is an error unless --overwrite. Truncated, empty and skipped
+    conversations are counted in OUT/dflash_regenerate.json.
+
+    \b
+    Then:       dflash extract --data OUT ...
+    Multi-GPU:  torchrun --nproc-per-node 4 -m dflash regenerate ...   (or --gpus 0,1,2,3)
+    """
+    relaunch_with_gpus(gpus, "regenerate")
+    from dflash.config import build, parse_kv
+    from extract.regenerate import RegenerateConfig, run_regenerate
+
+    flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
+    if no_progress:
+        flags["progress"] = False
+    cfg = build(RegenerateConfig, preset, "regenerate", flags)
+    summary = run_regenerate(cfg)
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(summary, f, indent=2, default=str)
+
+
+@main.command()
+@click.option("--workdir", default="work/demo", show_default=True, help="Where everything is written (reruns resume).")
+@click.option("--responses", type=click.Choice(["regenerate", "original"]), default="regenerate", show_default=True,
+              help="Train on the target's own regenerated replies (the DFlash recipe) or the dataset's human replies.")
+@click.option("--train-prompts", type=int, default=DEMO_DEFAULTS.train_prompts, show_default=True, help="Training conversations.")
+@click.option("--eval-prompts", type=int, default=DEMO_DEFAULTS.eval_prompts, show_default=True, help="Held-out prompts for eval.")
+@click.option("--train-steps", type=int, default=DEMO_DEFAULTS.train_steps, show_default=True, help="Drafter training steps.")
+@click.option("--drafter-layers", type=int, default=DEMO_DEFAULTS.drafter_layers, show_default=True, help="Drafter layers.")
+@click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
+def demo(**kw):
+    """Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
+
+    Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
+    hidden states, train a small drafter, and measure it by speculative decoding against n-gram
+    prompt lookup on held-out prompts. Fits a 2-core CPU in about 15 minutes; rerun to resume.
+    """
+    from dflash.demo import DemoConfig, run_demo
+
+    run_demo(DemoConfig(**kw))
+
+
 if __name__ == "__main__":
     main()

@@ -57,12 +57,28 @@ def _is_saved_dataset(directory: str) -> bool:
     )
 
 
+_REGENERATE_META = "dflash_regenerate.json"  # written beside its parts by `dflash regenerate`: not data
+
+
 def _data_files_under(directory: str) -> list[str]:
     files = []
     for root, dirs, names in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        files.extend(os.path.join(root, n) for n in names if not n.startswith(".") and _file_kind(n))
+        files.extend(os.path.join(root, n) for n in names
+                     if not n.startswith(".") and n != _REGENERATE_META and _file_kind(n))
     return sorted(files)
+
+
+def _check_regenerated(directory: str) -> None:
+    """A `dflash regenerate` output must be complete: a partial one would be used as if it were the whole."""
+    try:
+        with open(os.path.join(directory, _REGENERATE_META), encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return
+    if isinstance(meta, dict) and meta.get("complete") is False:
+        raise DataError(f"{directory} is an unfinished `dflash regenerate` output (not every part is committed); "
+                        "rerun the same `dflash regenerate` command to finish it")
 
 
 def _load_files(path: str, files: list[str], split: str):
@@ -171,6 +187,7 @@ def load_chat_dataset(path: str, split: str = "train", max_samples: int | None =
         if _is_saved_dataset(local):
             ds = _load_saved(local, split)
         else:
+            _check_regenerated(local)
             files = _data_files_under(local)
             if not files:
                 raise DataError(f"{path} is a directory with no {_SUPPORTED} files and no save_to_disk dataset")

@@ -1,0 +1,349 @@
+"""dflash regenerate: the generator is exact, the dataset keeps its structure, parts resume after a kill."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+import torch
+
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
+
+from dflash.config import ConfigError
+from extract.data import DataError, load_chat_dataset
+from extract.regenerate import (
+    META_NAME,
+    Engine,
+    RegenerateConfig,
+    Request,
+    committed_parts,
+    generate,
+    read_meta,
+    run_regenerate,
+    sample,
+    uniforms,
+)
+from extract.target import TargetError, load_causal_lm, load_tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """A tiny model runs fastest on one thread (and a busy 2-core machine makes two threads crawl)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target")
+
+
+@pytest.fixture(scope="module")
+def model(tiny):
+    return load_causal_lm(tiny)
+
+
+def _reference(model, prompt, max_new, eos):
+    """Greedy decoding of one sequence, one token per forward, no padding: what batching must reproduce."""
+    from transformers import DynamicCache
+
+    cache, out = DynamicCache(), []
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt]), cache=cache, use_cache=True).logits[0, -1]
+        pos = len(prompt)
+        while True:
+            t = int(logits.argmax())
+            out.append(t)
+            if t in eos or len(out) >= max_new:
+                return out, t in eos
+            logits = model(input_ids=torch.tensor([[t]]), position_ids=torch.tensor([[pos]]), cache=cache,
+                           use_cache=True).logits[0, -1]
+            pos += 1
+
+
+def _prompts(model, n, seed=0, lo=1, hi=40):
+    rng = random.Random(seed)
+    V = model.config.vocab_size
+    return [[rng.randrange(3, V) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the generator
+
+
+def test_greedy_batched_equals_single_sequence(model):
+    """Left padding, refills and rows leaving at different steps (EOS or their own max-new-tokens) change nothing."""
+    rng = random.Random(1)
+    prompts = _prompts(model, 23)
+    max_new = [rng.randint(1, 30) for _ in prompts]
+    free_run = [_reference(model, p, n, set())[0] for p, n in zip(prompts, max_new)]
+    common = Counter(t for out in free_run for t in out[2:])
+    eos = {t for t, _ in common.most_common(3)}  # tokens these prompts do produce: several rows stop early
+    refs = [_reference(model, p, n, eos) for p, n in zip(prompts, max_new)]
+    assert sum(stop for _, stop in refs) >= 3
+
+    eng = Engine(model, eos_ids=eos, batch_size=5, max_batch_tokens=300, prefill_tokens=64, refill=1)
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        eng.add(Request(p, n, key=i, priority=(-len(p), i)))
+    results, sizes = {}, []
+    while eng.busy:
+        for r in eng.step():
+            results[r.key] = r
+        sizes.append(len(eng.rows))
+    assert eng.prefills > 4 and len(set(sizes)) > 3  # the batch was refilled and shrank many times
+    for i, (ref, stop) in enumerate(refs):
+        r = results[i]
+        assert r.stopped == stop
+        assert r.tokens + ([ref[-1]] if stop else []) == ref, f"prompt {i} (length {len(prompts[i])})"
+        assert r.generated == len(ref) and r.truncated == (not stop)
+
+
+def test_sampling_is_reproducible_and_independent_of_batching(model):
+    prompts = _prompts(model, 9, seed=2, hi=25)
+    kw = dict(eos_ids=set(), max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
+    one = generate(model, prompts, batch_size=1, **kw)
+    many = generate(model, prompts, batch_size=4, refill=1, prefill_tokens=48, **kw)
+    assert [r.tokens for r in one] == [r.tokens for r in many]
+    assert [r.tokens for r in generate(model, prompts, batch_size=4, **kw)] == [r.tokens for r in one]
+    other = generate(model, prompts, batch_size=4, **{**kw, "seed": 4})
+    assert [r.tokens for r in other] != [r.tokens for r in one]
+    greedy = generate(model, prompts, eos_ids=set(), max_new_tokens=12, batch_size=4)
+    tiny_nucleus = generate(model, prompts, batch_size=4, **{**kw, "top_p": 1e-6})  # the nucleus is the argmax
+    assert [r.tokens for r in tiny_nucleus] == [r.tokens for r in greedy]
+
+
+def test_sample_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, -30.0]]).repeat(20000, 1)
+    u = torch.from_numpy(uniforms([7] * 20000, range(20000)))
+    for T, top_p in ((1.0, 1.0), (0.5, 1.0), (1.0, 0.8)):
+        got = torch.bincount(sample(logits, T, top_p, u), minlength=5).double() / 20000
+        p = torch.softmax(logits[0].double() / T, -1)
+        if top_p < 1:  # the smallest prefix of the sorted probabilities holding top_p
+            keep = (p.cumsum(-1) - p) < top_p
+            p = p * keep / (p * keep).sum()
+        assert torch.allclose(got, p, atol=0.012), (T, top_p, got, p)
+    assert sample(logits[:3], 0.0, 0.5, None).tolist() == [0, 0, 0]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# the command
+
+
+def _cfg(tiny, data, out, **kw):
+    kw.setdefault("max_new_tokens", 12)
+    kw.setdefault("part_size", 4)
+    return RegenerateConfig(target=tiny, data=str(data), out=str(out), progress=False, **kw)
+
+
+def _read_parts(out):
+    rows = []
+    for f in sorted(glob.glob(os.path.join(out, "data", "part-*.jsonl"))):
+        with open(f, encoding="utf-8") as fh:
+            rows += [json.loads(line) for line in fh]
+    return rows
+
+
+def _snapshot(out):
+    files = sorted(glob.glob(os.path.join(out, "data", "*")) + glob.glob(os.path.join(out, "data", ".*")))
+    return {os.path.basename(f): open(f, encoding="utf-8").read() for f in files}
+
+
+def test_structure_is_kept_and_turns_see_the_targets_own_answers(tiny, model, tmp_path):
+    rows = chat_rows(10, seed=5, turns=(1, 3))
+    rows[1] = {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi there"},
+                                 {"from": "gpt", "value": "old 1"}, {"from": "human", "value": "And then?"},
+                                 {"from": "gpt", "value": "old 2"}]}
+    rows[2] = {"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": "no user first"},
+                            {"role": "user", "content": "late"}, {"role": "assistant", "content": "x"}]}
+    rows[3] = {"messages": [{"role": "user", "content": "only a prompt"}]}
+    rows[4] = {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+                            {"role": "user", "content": "trailing user turn"}]}
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    out = tmp_path / "out"
+    summary = run_regenerate(_cfg(tiny, data, out))
+    got = {r["source_row"]: r["messages"] for r in _read_parts(out)}
+    assert sorted(got) == [r for r in range(10) if r != 2]  # row 2 has no user turn before its first answer
+
+    tok = load_tokenizer(tiny)
+    for r, msgs in got.items():
+        if r == 1:
+            src = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                   {"role": "assistant"}, {"role": "user", "content": "And then?"}, {"role": "assistant"}]
+        elif r == 3:
+            src = [{"role": "user", "content": "only a prompt"}, {"role": "assistant"}]  # an answer is appended
+        else:
+            src = rows[r]["messages"]
+        assert [m["role"] for m in msgs] == [m["role"] for m in src], r
+        for m, s in zip(msgs, src):
+            if m["role"] != "assistant":
+                assert m["content"] == s["content"]
+        # every assistant turn is the target's greedy answer to the conversation so far, earlier answers its own
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            ids = tok.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=False)
+            ids = tok(ids, add_special_tokens=False)["input_ids"]
+            ref, stop = _reference(model, ids, 12, {tok.convert_tokens_to_ids("<|im_end|>")})
+            assert m["content"] == tok.decode(ref[:-1] if stop else ref, skip_special_tokens=False,
+                                              clean_up_tokenization_spaces=False), (r, i)
+    assert got[4][-1] == {"role": "user", "content": "trailing user turn"}
+
+    meta = read_meta(str(out))
+    n_turns = sum(m["role"] == "assistant" for msgs in got.values() for m in msgs)
+    c = meta["counts"]
+    assert meta["complete"] and meta["parts"] == 3 and summary["counts"] == c
+    assert c["rows"] == 10 and c["conversations"] == 9 and c["skipped_no_user_turn"] == 1 and c["turns"] == n_turns
+    assert c["truncated"] <= n_turns and c["generated_tokens"] <= 12 * n_turns
+    assert meta["target"]["name_or_path"] == os.path.abspath(tiny) and meta["settings"]["max_new_tokens"] == 12
+
+    # readable by extract's loader, by `datasets` from the folder (dataset card) and from the part files
+    import datasets
+
+    assert len(load_chat_dataset(str(out))) == 9
+    hf = str(tmp_path / "hf")  # datasets caches a folder by its name: keep other runs' "out" out of it
+    assert len(datasets.load_dataset(str(out), split="train", cache_dir=hf)) == 9
+    assert len(datasets.load_dataset("json", data_files=str(out / "data" / "*.jsonl"), split="train",
+                                     cache_dir=hf)) == 9
+
+
+def test_truncated_and_empty_generations_are_counted(tmp_path):
+    rows = chat_rows(6, seed=7, turns=(1, 2))
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    turns = sum(m["role"] == "assistant" for r in rows for m in r["messages"])
+    tiny = make_tiny_target(tmp_path / "t")
+    out = tmp_path / "a"
+    run_regenerate(_cfg(tiny, data, out, max_new_tokens=3, stop_at_eos=False))
+    c = read_meta(str(out))["counts"]
+    assert c["turns"] == turns and c["truncated"] == turns and c["generated_tokens"] == 3 * turns
+
+    # a target whose first token is always an end-of-sequence id: every answer is empty, none truncated
+    mute = make_tiny_target(tmp_path / "mute")
+    m = load_causal_lm(mute)
+    m.model.norm.weight.data.zero_()  # all logits 0: argmax is token 0, made an eos id below
+    m.generation_config.eos_token_id = [m.config.eos_token_id, 0]
+    m.save_pretrained(mute)
+    out = tmp_path / "b"
+    run_regenerate(_cfg(mute, data, out))
+    c = read_meta(str(out))["counts"]
+    assert c["turns"] == turns and c["empty"] == turns and c["truncated"] == 0 and c["generated_tokens"] == turns
+    assert all(m["content"] == "" for r in _read_parts(out) for m in r["messages"] if m["role"] == "assistant")
+
+
+def test_kill_then_rerun_gives_the_uninterrupted_dataset(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(24, seed=11, turns=(1, 2)))
+    args = ["--target", tiny, "--data", data, "--max-new-tokens", "16", "--part-size", "2", "--batch-size", "1",
+            "--no-progress"]
+    ref = tmp_path / "uninterrupted"
+    run_regenerate(_cfg(tiny, data, ref, max_new_tokens=16, part_size=2, batch_size=8))
+
+    out = tmp_path / "killed"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.Popen([sys.executable, "-m", "dflash", "regenerate", *args, "--out", str(out)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO)
+    deadline = time.time() + 120
+    while not committed_parts(str(out)) and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate()
+    assert proc.returncode == -signal.SIGKILL, err.decode()[-2000:]
+    done = committed_parts(str(out))
+    assert 1 <= len(done) < 12, "the kill should land after the first part and before the last"
+    assert not read_meta(str(out))["complete"]
+    with pytest.raises(DataError, match="unfinished"):
+        load_chat_dataset(str(out))
+    (out / "data" / ".part-00011.jsonl.tmp-12345").write_text('{"messages": "half a part"')  # a torn write
+
+    run_regenerate(_cfg(tiny, data, out, max_new_tokens=16, part_size=2, batch_size=5))  # other batching: same text
+    assert _snapshot(out) == _snapshot(ref)
+    rows = _read_parts(out)
+    assert sorted(r["source_row"] for r in rows) == list(range(24))  # none lost, none twice
+    assert read_meta(str(out))["counts"] == read_meta(str(ref))["counts"]
+
+
+def test_changed_settings_are_refused_unless_overwrite(tiny, tmp_path):
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(5, seed=3))
+    out = tmp_path / "out"
+    run_regenerate(_cfg(tiny, data, out))
+    before = _snapshot(out)
+    run_regenerate(_cfg(tiny, data, out, batch_size=2, seed=9))  # batching and a greedy run's seed change nothing
+    assert _snapshot(out) == before
+    with pytest.raises(ConfigError, match="--temperature: .*temperature=0.0.*temperature=0.7.*--overwrite"):
+        run_regenerate(_cfg(tiny, data, out, temperature=0.7))
+    with pytest.raises(ConfigError, match="--max-new-tokens"):
+        run_regenerate(_cfg(tiny, data, out, max_new_tokens=5))
+    with pytest.raises(ConfigError, match="--chat-template-kwargs"):
+        run_regenerate(_cfg(tiny, data, out, chat_template_kwargs={"enable_thinking": False}))
+    run_regenerate(_cfg(tiny, data, out, temperature=0.7, overwrite=True))
+    meta = read_meta(str(out))
+    assert meta["complete"] and meta["settings"]["temperature"] == 0.7 and _snapshot(out) != before
+
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("not yours")
+    with pytest.raises(ConfigError, match="--out: .* is not a dflash regenerate output"):
+        run_regenerate(_cfg(tiny, data, tmp_path / "mine", overwrite=True))
+    assert (tmp_path / "mine" / "notes.txt").exists()
+
+
+def test_bad_input_is_a_clear_error(tiny, tmp_path):
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+
+    out = tmp_path / "out"
+    with pytest.raises(DataError, match="does not exist"):
+        run_regenerate(_cfg(tiny, tmp_path / "missing.jsonl", out))
+    bad = write_jsonl(tmp_path / "bad.jsonl", [*chat_rows(2), {"messages": [{"role": "robot", "content": "x"}]}])
+    with pytest.raises(DataError, match=r"bad.jsonl, row 2: messages\[0\]\.role 'robot' is unknown"):
+        run_regenerate(_cfg(tiny, bad, out))
+    assert committed_parts(str(out)) == set()  # every row is checked before anything is generated
+    cols = write_jsonl(tmp_path / "cols.jsonl", [{"text": "hello"}])
+    with pytest.raises(DataError, match="no 'messages'"):
+        run_regenerate(_cfg(tiny, cols, tmp_path / "o2"))
+    nouser = write_jsonl(tmp_path / "nouser.jsonl", [{"messages": [{"role": "assistant", "content": "hi"}]}])
+    with pytest.raises(DataError, match="no conversation could be regenerated"):
+        run_regenerate(_cfg(tiny, nouser, tmp_path / "o3"))
+    assert not (tmp_path / "o3").exists()
+    with pytest.raises(TargetError, match="not found"):
+        run_regenerate(_cfg(str(tmp_path / "no-model"), bad, tmp_path / "o4"))
+    with pytest.raises(ConfigError, match="--top-p"):
+        _cfg(tiny, bad, out, top_p=0.0)
+
+    res = CliRunner().invoke(main, ["regenerate", "--target", tiny, "--data", str(bad), "--out", str(tmp_path / "o5")])
+    assert res.exit_code == 2 and "error:" in res.output and "row 2" in res.output
+    assert not (tmp_path / "o5").exists()  # nothing is written before the input is checked
+    res = CliRunner().invoke(main, ["regenerate", "--target", tiny, "--data", str(bad), "--out", str(out),
+                                    "--max-new-tokens", "0"])
+    assert res.exit_code == 2 and "--max-new-tokens must be >= 1" in res.output
+
+
+def test_extract_reads_a_regenerated_dataset(tiny, tmp_path):
+    import dflash_cache
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(6, seed=13))
+    out, cache = tmp_path / "regen", tmp_path / "cache"
+    res = CliRunner().invoke(main, ["regenerate", "--target", tiny, "--data", str(data), "--out", str(out),
+                                    "--max-new-tokens", "10", "--part-size", "4", "--no-progress",
+                                    "--chat-template-kwargs", "enable_thinking=false"])
+    assert res.exit_code == 0, res.output
+    assert json.loads((out / META_NAME).read_text())["settings"]["chat_template_kwargs"] == {"enable_thinking": False}
+    res = CliRunner().invoke(main, ["extract", "--target", tiny, "--data", str(out), "--out", str(cache),
+                                    "--seq-len", "256"])
+    assert res.exit_code == 0, res.output
+    c = dflash_cache.open(str(cache))
+    assert c.complete and c.real_tokens > 0
+    assert "6 conversations: 6 used" in res.output
