@@ -227,14 +227,15 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
             host = slots[slot]
             for i in range(0, n, batch_rows):
                 j = min(n, i + batch_rows)
-                # a short last batch is padded with all-padding rows: every forward has one shape
-                # (no recompiles of the attention kernels, steady speed)
-                ids, pos, doc = (torch.from_numpy(_pad_rows(arrays[k][i:j], batch_rows, pad)).to(dev, torch.long)
+                # on GPU a short last batch is padded with all-padding rows: every forward has one shape
+                # (no recompiles of the flex kernels); on CPU that would only cost time
+                rows = batch_rows if cuda else j - i
+                ids, pos, doc = (torch.from_numpy(_pad_rows(arrays[k][i:j], rows, pad)).to(dev, torch.long)
                                  for k, pad in (("input_ids", pad_id), ("position_ids", 0), ("doc_ids", 0)))
                 b = nbatch % len(gbufs)
                 if cuda and copied[b] is not None:
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
-                out = gbufs[b]
+                out = gbufs[b][:rows]
                 target.run(ids, pos, doc, out)
                 if cuda:
                     ready = torch.cuda.current_stream(dev).record_event()
