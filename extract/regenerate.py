@@ -395,11 +395,15 @@ class Engine:
         return bool(self.rows or self.pending)
 
     def step(self) -> list[Result]:
-        """Admit waiting prompts if there is room, then decode one token for every row."""
+        """Fill the free slots with waiting prompts (once `refill` slots are free), then decode one token per row."""
         done: list[Result] = []
         if self.pending and (not self.rows or self.batch_size - len(self.rows) >= self.refill):
             t = time.perf_counter()
-            done += self._admit()
+            while self.pending and len(self.rows) < self.batch_size:  # fill every free slot the budgets allow
+                admitted, finished = self._admit()
+                done += finished
+                if not admitted:
+                    break
             self.seconds["prefill"] += time.perf_counter() - t
         if self.rows:
             t = time.perf_counter()
@@ -423,7 +427,8 @@ class Engine:
             u = torch.from_numpy(uniforms([r.req.rng_key for r in rows], [len(r.out) for r in rows]))
         return sample(logits, self.temperature, self.top_p, u)
 
-    def _admit(self) -> list[Result]:
+    def _admit(self) -> tuple[int, list[Result]]:
+        """Prefill one chunk of waiting prompts (within the budgets) into the batch: (admitted, finished)."""
         free = self.batch_size - len(self.rows)
         n_now = 0 if self.mask is None else self.mask.shape[1]
         reach = max((r.req.max_new_tokens - len(r.out) for r in self.rows), default=0)
@@ -442,8 +447,8 @@ class Engine:
             chosen.append(req)
             width, reach = w, r
         if not chosen:
-            return []
-        return self._prefill(chosen, width)
+            return 0, []
+        return len(chosen), self._prefill(chosen, width)
 
     @torch.inference_mode()
     def _prefill(self, reqs: list[Request], width: int) -> list[Result]:
