@@ -27,13 +27,9 @@ class CleanErrors(click.Group):
 
 
 def known_errors() -> tuple[type[Exception], ...]:
-    from dflash.config import ConfigError
-    from extract.data import DataError
-    from extract.target import TargetError
+    from dflash.errors import DflashError  # light: no torch import on the error path
 
-    from train.trainer import TrainError
-
-    return (dflash_cache.CacheError, ConfigError, DataError, TargetError, TrainError)
+    return (dflash_cache.CacheError, DflashError)
 
 
 def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
@@ -56,6 +52,11 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
             continue
         argv.append(a)
     sys.exit(launch_torchrun("dflash", argv, gpus))
+
+
+from dflash.demo import DemoConfig  # noqa: E402  (light: dataclass only)
+
+DEMO_DEFAULTS = DemoConfig()
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -154,7 +155,7 @@ def cache_verify(path, threads):
 @click.option("--batch-rows", type=int, help="Rows per target forward.  [default: ~16k tokens]")
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.  [default: flex on GPU, sdpa on CPU]")
-@click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: lz4]")
+@click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: zstd]")
 @click.option("--writer-threads", type=int, help="Threads that compress and write shards.  [default: 8]")
 @click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
@@ -162,7 +163,8 @@ def cache_verify(path, threads):
 @click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
 @click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3,4).")
 @click.option("--json", "json_out", help="Also write the run summary to this JSON file.")
-def extract(preset, gpus, json_out, **flags):
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def extract(preset, gpus, json_out, no_progress, **flags):
     """Run the frozen target over chat data and write its hidden states to a cache.
 
     Conversations are tokenised with the target's chat template (loss mask = assistant tokens),
@@ -176,6 +178,8 @@ def extract(preset, gpus, json_out, **flags):
     from dflash.config import build, parse_int_list, parse_kv
     from extract.run import ExtractConfig, run_extract
 
+    if no_progress:
+        flags["progress"] = False
     flags["layers"] = parse_int_list(flags["layers"], "layers")
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     cfg = build(ExtractConfig, preset, "extract", flags)
@@ -252,7 +256,8 @@ def train(preset, gpus, no_progress, **flags):
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @click.option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
 @click.option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
-def eval_cmd(preset, **flags):
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def eval_cmd(preset, no_progress, **flags):
     """Measure a drafter by real greedy speculative decoding: tau, speed-up, losslessness.
 
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
@@ -261,6 +266,8 @@ def eval_cmd(preset, **flags):
     from train.eval import EvalConfig, format_report, run_eval
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
+    if no_progress:
+        flags["progress"] = False
     cfg = build(EvalConfig, preset, "eval", flags)
     click.echo(format_report(run_eval(cfg)))
 

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash.errors import DflashError
 
-class DataError(Exception):
+
+class DataError(DflashError):
     """Bad input data (or a tokenizer/template that cannot be used on it). The message says where and why."""
 
 
