@@ -214,6 +214,7 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @click.option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--log-every", type=int, help="Steps between metric logs (the only host syncs).  [default: 10]")
 @click.option("--save-every", type=int, help="Steps between checkpoints.  [default: 500]")
+@click.option("--keep-checkpoints", type=int, help="Checkpoints kept in RUN/checkpoints (oldest removed).  [default: 2]")
 @click.option("--loader-threads", type=int, help="Cache decoding threads.  [default: 4]")
 @click.option("--wandb-project", help="Log to this wandb project (rank 0).  [default: off]")
 @click.option("--wandb-run-name", help="wandb run name.")

@@ -27,15 +27,15 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class DemoConfig:
     workdir: str = "work/demo"
     responses: str = "regenerate"  # or "original": the dataset's human replies
-    train_prompts: int = 320
+    train_prompts: int = 240
     eval_prompts: int = 16
     regen_max_new_tokens: int = 64
     seq_len: int = 512
     drafter_layers: int = 1
     block_size: int = 8
-    num_anchors: int = 96
+    num_anchors: int = 32
     batch_rows: int = 4
-    train_steps: int = 240
+    train_steps: int = 160
     lr: float = 1.5e-3
     eval_max_new_tokens: int = 48
     device: str = "auto"
@@ -188,13 +188,14 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def _regenerate(cfg: DemoConfig, target: str, data: str) -> str:
+    import torch
+
+    from extract.regenerate import RegenerateConfig, run_regenerate
+
     out = os.path.join(cfg.workdir, "regenerated")
-    try:
-        from extract.regenerate import RegenerateConfig, run_regenerate
-    except ImportError:  # pragma: no cover - older checkouts
-        print("demo: `dflash regenerate` is not available; training on the dataset's own replies", flush=True)
-        return data
+    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
     run_regenerate(RegenerateConfig(target=target, data=data, out=out, max_new_tokens=cfg.regen_max_new_tokens,
+                                    batch_size=128 if on_cpu else 0,  # CPU decoding is weight-bandwidth bound
                                     device=cfg.device, progress=cfg.progress))
     return out
 

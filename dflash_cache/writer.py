@@ -143,7 +143,7 @@ def committed_shards(store: Store, num_shards: int) -> dict[int, dict[str, Any]]
     return out
 
 
-def existing_root(store: Store, path: str, overwrite: bool) -> dict[str, Any] | None:
+def existing_root(store: Store, path: str) -> dict[str, Any] | None:
     """The metadata of the cache at `store`, or None where there is none yet (absent or empty directory).
 
     A directory holding only temp files is empty: a writer killed while creating the root leaves that,
@@ -161,10 +161,10 @@ def existing_root(store: Store, path: str, overwrite: bool) -> dict[str, Any] | 
         try:
             return read_root(store)  # another writer may have created it since the first look
         except NotACacheError:
-            if overwrite:
-                return None
+            # never write into, or delete, a directory that is not a cache (even with overwrite)
             raise NotACacheError(
-                f"{path} exists and is not a dflash cache; refusing to write into it (pass --overwrite to replace it)"
+                f"{path} exists and is not a dflash cache; refusing to write into it or replace it: "
+                "choose another path or remove it yourself"
             ) from None
 
 
@@ -186,7 +186,7 @@ class CacheWriter:
         self._hidden_codec = Codec(spec.codec, 2)
         self._small_codec = Codec(SMALL_CODEC, 4)
         meta = spec.to_metadata()
-        existing = existing_root(self.store, self.path, overwrite)
+        existing = existing_root(self.store, self.path)
         if existing is not None and overwrite and create:
             self.store.delete_prefix("")
             existing = None
@@ -346,9 +346,13 @@ class CacheWriter:
     def __enter__(self):
         return self
 
+    def abort(self) -> None:
+        """Stop: cancel shards not started, wait for those in progress; commits already made stay."""
+        self._shard_pool.shutdown(wait=True, cancel_futures=True)
+        self._chunk_pool.shutdown(wait=True, cancel_futures=True)
+
     def __exit__(self, *exc):
         if exc[0] is None:
             self.close()
         else:
-            self._shard_pool.shutdown(wait=True, cancel_futures=True)
-            self._chunk_pool.shutdown(wait=True, cancel_futures=True)
+            self.abort()

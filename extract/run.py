@@ -161,7 +161,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
         load_s = time.perf_counter() - t0
         t0 = time.perf_counter()  # tokens/s counts forwards + committed writes, not loading the model
-        done_tokens = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer, batch_rows, dev, show)
+        try:
+            done_tokens = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer, batch_rows, dev, show)
+        except BaseException:
+            writer.abort()  # drop queued shards (they would only fail again); committed ones stay
+            raise
     writer.close()
     elapsed = time.perf_counter() - t0
     barrier()

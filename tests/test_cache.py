@@ -715,3 +715,13 @@ def script_main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(script_main(sys.argv[1:]))
+
+
+def test_overwrite_never_replaces_a_directory_that_is_not_a_cache(tmp_path):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "precious.txt").write_text("keep me")
+    spec = CacheSpec(seq_len=16, hidden_size=4, layer_ids=[0], num_rows=2, rows_per_shard=2)
+    with pytest.raises(NotACacheError, match="refusing"):
+        CacheWriter(str(d), spec, overwrite=True)
+    assert (d / "precious.txt").read_text() == "keep me" and sorted(p.name for p in d.iterdir()) == ["precious.txt"]

@@ -77,8 +77,10 @@ class Target:
         if layer_ids:
             L = len(decoder_layers(model))
             self.capture = LayerCapture(model, layer_ids, final_norm_for=L - 1 if L - 1 in layer_ids else None)
-        self.want_hidden = False
         self.cache = None
+        import inspect  # transformers >= 5.2x renamed past_key_values to cache
+
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
     def reset(self):
         from transformers import DynamicCache
@@ -96,7 +98,7 @@ class Target:
             out_h = torch.empty(1, L, K * H, device=self.device, dtype=next(self.model.parameters()).dtype)
             self.capture.out = out_h
         try:
-            out = self.model(input_ids=ids, position_ids=pos, past_key_values=self.cache, use_cache=True)
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kw: self.cache})
         finally:
             if self.capture is not None:
                 self.capture.out = None

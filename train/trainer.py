@@ -112,6 +112,7 @@ class TrainConfig:
         check(self.attn in ("auto", "flex", "sdpa"), "attn", "must be auto, flex or sdpa")
         check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
         check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
 
 
@@ -399,6 +400,9 @@ class Trainer:
         with open(os.path.join(ck, "trainer.json")) as f:
             st = json.load(f)
         self.step = int(st["step"])
+        if int(st.get("total_steps", self.total_steps)) != self.total_steps:
+            print0(f"train: note: this run now has {self.total_steps} steps (the checkpoint was written in a run of "
+                   f"{st['total_steps']}); the learning-rate schedule is stretched from step {self.step} on")
         if self.dist.is_main:  # drop records logged after the checkpoint we resume from
             drop_metrics_after(self.cfg.out, self.step)
         print0(f"train: resumed from {ck} at step {self.step}")
@@ -412,7 +416,7 @@ class Trainer:
             epoch, within = divmod(m, self.spe)
             for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
                                         start_step=within, prefetch=cfg.prefetch, threads=cfg.loader_threads,
-                                        pin_memory=self.cuda):
+                                        pin_memory=self.cuda, check=True):  # CRC every chunk read
                 yield m, b
                 m += 1
 
@@ -500,6 +504,13 @@ class Trainer:
                 is_log = self.step % cfg.log_every == 0 or self.step == self.total_steps
                 is_save = self.step % cfg.save_every == 0 or self.step == self.total_steps
                 if is_log or is_save:
+                    if dist.distributed:  # the logged metrics are over all ranks' data, not rank 0's
+                        flat = torch.cat([v.reshape(-1) for v in acc.values()])
+                        torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.AVG)
+                        off = 0
+                        for v in acc.values():
+                            v.copy_(flat[off:off + v.numel()].view_as(v))
+                            off += v.numel()
                     vals = {k: v.detach().cpu() for k, v in acc.items()}  # the one host sync
                     h = hist[: min(hist_n, hist.numel())].cpu()
                     if not torch.isfinite(h).all() or not math.isfinite(float(vals["grad_norm"])):
