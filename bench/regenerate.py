@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from extract.regenerate import Engine, Request, eos_ids_of, plan_engine, rng_key  # noqa: E402
+from dflash.dist import resolve_dtype  # noqa: E402
 
 
 def demo_model() -> str:
@@ -138,8 +139,7 @@ def main() -> None:
         from extract.target import load_causal_lm, load_tokenizer
 
         path = demo_model() if a.model == "demo" else a.model
-        dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                 "bfloat16": torch.bfloat16, "float32": torch.float32}[a.dtype]
+        dtype = resolve_dtype(a.dtype, dev)
         model = load_causal_lm(path, device=dev, dtype=dtype)
         tok = load_tokenizer(path)
         prompts = chat_prompts(tok, a.prompts, a.seed)

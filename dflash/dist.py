@@ -73,3 +73,10 @@ def launch_torchrun(module: str, argv: list[str], gpus: str) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(ids)}",
            "-m", module, *argv]
     return subprocess.call(cmd, env=env)
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' -> bfloat16 on GPU, float32 on CPU (CPUs without bf16 matrix units run it several times slower)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"bfloat16": torch.bfloat16, "float32": torch.float32}[name]

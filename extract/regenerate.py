@@ -828,12 +828,11 @@ def finalize(out: str, meta: dict) -> dict | None:
 
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     from dflash import progress
-    from dflash.dist import barrier, compute_init, print0
+    from dflash.dist import barrier, compute_init, print0, resolve_dtype
 
     dist = compute_init(cfg.device)
     dev = dist.device
-    dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    dtype = resolve_dtype(cfg.dtype, dev)
     show = cfg.progress and dist.is_main
 
     hf_cfg = load_config(cfg.target)

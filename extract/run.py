@@ -25,7 +25,7 @@ import torch
 import dflash_cache
 from dflash import progress
 from dflash.config import check
-from dflash.dist import barrier, compute_init, print0
+from dflash.dist import barrier, compute_init, print0, resolve_dtype
 from dflash_cache import CacheSpec, CacheWriter
 
 from .data import (
@@ -97,8 +97,7 @@ def plan_sizes(cfg: ExtractConfig, row_bytes: int) -> tuple[int, int]:
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     dist = compute_init(cfg.device)
     dev = dist.device
-    dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-             "bfloat16": torch.bfloat16, "float32": torch.float32}[cfg.dtype]
+    dtype = resolve_dtype(cfg.dtype, dev)
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
     show = cfg.progress and dist.is_main
 

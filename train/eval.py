@@ -339,13 +339,12 @@ def plot_acceptance(path: str, results: list[dict], block_size: int) -> None:
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     from dflash import progress
-    from dflash.dist import compute_init
+    from dflash.dist import compute_init, resolve_dtype
     from extract.target import load_causal_lm, load_tokenizer
     from train.trainer import load_target_head
 
     dev = compute_init(cfg.device).device
-    dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bfloat16": torch.bfloat16,
-             "float32": torch.float32}[cfg.dtype]
+    dtype = resolve_dtype(cfg.dtype, dev)
     tok = load_tokenizer(cfg.target)
     model = load_causal_lm(cfg.target, device=dev, dtype=dtype)
     drafter = load_drafter(cfg.drafter, dtype=dtype, device=dev)

@@ -33,7 +33,7 @@ import torch
 import dflash_cache
 from dflash import progress
 from dflash.config import ConfigError, check
-from dflash.dist import barrier, compute_init, print0
+from dflash.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.errors import DflashError
 
 from .model import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
@@ -317,8 +317,7 @@ class Trainer:
         self.dist = compute_init(cfg.device)
         dev = self.dev = self.dist.device
         self.cuda = dev.type == "cuda"
-        self.param_dtype = {"auto": torch.bfloat16 if self.cuda else torch.float32, "bfloat16": torch.bfloat16,
-                            "float32": torch.float32}[cfg.param_dtype]
+        self.param_dtype = resolve_dtype(cfg.param_dtype, dev)
         self.attn = cfg.attn if cfg.attn != "auto" else ("flex" if self.cuda else "sdpa")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.cuda)
 
