@@ -725,3 +725,27 @@ def test_overwrite_never_replaces_a_directory_that_is_not_a_cache(tmp_path):
     with pytest.raises(NotACacheError, match="refusing"):
         CacheWriter(str(d), spec, overwrite=True)
     assert (d / "precious.txt").read_text() == "keep me" and sorted(p.name for p in d.iterdir()) == ["precious.txt"]
+
+
+def test_fsspec_url_round_trip():
+    """Any fsspec URL works through zarr's store (here fsspec's in-memory filesystem)."""
+    import uuid
+
+    import torch
+
+    url = f"memory://dflash-{uuid.uuid4().hex}/cache"
+    spec = CacheSpec(seq_len=32, hidden_size=4, layer_ids=[0, 1], num_rows=5, rows_per_shard=2)
+    g = torch.Generator().manual_seed(0)
+    rows = {}
+    with CacheWriter(url, spec) as w:
+        for s in range(spec.num_shards):
+            _, n = spec.shard_rows(s)
+            h = torch.randn(n, 32, 8, generator=g).to(torch.bfloat16)
+            rows[s] = h
+            w.write_shard(s, torch.zeros(n, 32, dtype=torch.int32), torch.ones(n, 32, dtype=torch.uint8),
+                          torch.ones(n, 32, dtype=torch.int32), h)
+    c = dflash_cache.open(url)
+    assert len(c) == 5 and c.complete
+    assert torch.equal(c[4]["hidden"].view(torch.int16), rows[2][0].view(torch.int16))
+    assert dflash_cache.verify(url).ok
+    assert dflash_cache.info(url)["bytes_on_disk"] > 0
