@@ -188,14 +188,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def _regenerate(cfg: DemoConfig, target: str, data: str) -> str:
-    import torch
-
     from extract.regenerate import RegenerateConfig, run_regenerate
 
     out = os.path.join(cfg.workdir, "regenerated")
-    on_cpu = cfg.device == "cpu" or not torch.cuda.is_available()
     run_regenerate(RegenerateConfig(target=target, data=data, out=out, max_new_tokens=cfg.regen_max_new_tokens,
-                                    batch_size=128 if on_cpu else 0,  # CPU decoding is weight-bandwidth bound
                                     device=cfg.device, progress=cfg.progress))
     return out
 
