@@ -287,13 +287,27 @@ class Layer(nn.Module):
 # --------------------------------------------------------------------------------------------
 
 
+_compiled_flex = None
+
+
+def _flex(q):
+    """flex_attention; outside a compiled region on GPU, its compiled kernel. Called eagerly, flex falls
+    back to an unfused reference that materialises every score (44 GiB at the 8B training shape)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
 def attend(q, k, v, mask, impl: str):
     """q [b, nh, Lq, d]; k/v [b, nkv, Lk, d]; mask: bool [b, 1, Lq, Lk] (sdpa) or a BlockMask (flex)."""
     gqa = q.shape[1] != k.shape[1]
     if impl == "flex":
-        from torch.nn.attention.flex_attention import flex_attention
-
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
     if gqa:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
