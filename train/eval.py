@@ -125,6 +125,7 @@ class DFlashProposer:
         self.cache = self.d.new_cache(1, self.max_len)
         self.observe(prompt_hidden, 0)
 
+    @torch.inference_mode()
     def observe(self, hidden: torch.Tensor, start: int) -> None:
         """Target hidden states of confirmed tokens at positions start..start+L-1."""
         L = hidden.shape[1]
@@ -341,15 +342,13 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     from dflash import progress
     from dflash.dist import compute_init, resolve_dtype
     from extract.target import load_causal_lm, load_tokenizer
-    from train.trainer import load_target_head
 
     dev = compute_init(cfg.device).device
     dtype = resolve_dtype(cfg.dtype, dev)
     tok = load_tokenizer(cfg.target)
     model = load_causal_lm(cfg.target, device=dev, dtype=dtype)
     drafter = load_drafter(cfg.drafter, dtype=dtype, device=dev)
-    emb, head = load_target_head(cfg.target)
-    drafter.set_target_head(emb, head)
+    drafter.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     drafter.eval()
     target = Target(model, drafter.cfg.target_layer_ids)
     prompts = load_prompts(cfg, tok)

@@ -1,0 +1,174 @@
+"""Speculative decoding: acceptance logic on hand-built proposers, losslessness, n-gram lookup, the CLI."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
+
+from train.eval import (  # noqa: E402
+    Decode,
+    DFlashProposer,
+    NgramProposer,
+    Target,
+    crop_cache,
+    greedy,
+    speculative,
+    summarize,
+)
+from train.model import DFlashDrafter, DrafterConfig, save_drafter  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    torch.set_num_threads(1)
+    return make_tiny_target(str(tmp_path_factory.mktemp("eval") / "target"), arch="qwen3", num_layers=6, hidden=64)
+
+
+@pytest.fixture(scope="module")
+def model(target_dir):
+    from extract.target import load_causal_lm
+
+    return load_causal_lm(target_dir, dtype=torch.float32)
+
+
+PROMPTS = [[5, 17, 99, 3, 42, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19], [200, 201, 5, 200, 201]]
+
+
+class Oracle:
+    """Proposes the target's own greedy continuation (right) or something else (wrong)."""
+
+    needs_hidden = False
+
+    def __init__(self, block_size, truth: list[int], prompt_len: int, right: bool, vocab: int):
+        self.block_size, self.truth, self.p, self.right, self.vocab = block_size, truth, prompt_len, right, vocab
+        self.name = "oracle"
+
+    def start(self, hidden):
+        pass
+
+    def observe(self, hidden, start):
+        pass
+
+    def propose(self, seq, last, pos):
+        nxt = self.truth[pos + 1 - self.p: pos + self.block_size - self.p]
+        return nxt if self.right else [(t + 1) % self.vocab for t in nxt]
+
+
+@pytest.mark.parametrize("B", [4, 8])
+def test_always_right_gives_tau_B_and_always_wrong_gives_1(model, B):
+    t = Target(model, None)
+    V = model.config.vocab_size
+    for prompt in PROMPTS:
+        m = 4
+        max_new = 1 + m * B  # the prefill's token, then m full blocks
+        truth = greedy(t, prompt, max_new + B, eos=set()).tokens
+        right = speculative(t, Oracle(B, truth, len(prompt), True, V), prompt, max_new, eos=set())
+        assert right.accept_lengths == [B] * m and right.tau == B
+        assert right.tokens == truth[:max_new]
+        wrong = speculative(t, Oracle(B, truth, len(prompt), False, V), prompt, max_new, eos=set())
+        assert wrong.tau == 1.0 and set(wrong.accept_lengths) == {1}
+        assert wrong.tokens == truth[:max_new]  # still lossless: every step keeps the target's own token
+        assert wrong.steps == max_new - 1
+
+
+def test_dflash_and_ngram_are_lossless(model, target_dir):
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(model.config, num_layers=2, layer_ids=[1, 3], block_size=6,
+                                    mask_token_id=model.config.vocab_size - 1)
+    d = DFlashDrafter(cfg).float()
+    d.reset_parameters(std=0.05, seed=1)
+    d.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    t = Target(model, cfg.target_layer_ids)
+    eos = {int(model.config.eos_token_id)} if model.config.eos_token_id is not None else set()
+    for prompt in PROMPTS:
+        ref = greedy(t, prompt, 40, eos)
+        for prop in (DFlashProposer(d, 200), NgramProposer(6, 3)):
+            out = speculative(t, prop, prompt, 40, eos)
+            assert out.tokens == ref.tokens, prop.name
+            assert all(1 <= a <= 6 for a in out.accept_lengths)
+            assert sum(out.accept_lengths) >= len(out.tokens) - 1
+
+
+def test_dflash_proposer_drafts_what_the_drafter_predicts(model):
+    """The block is [last, MASK...] at positions pos..pos+B-1 after the prompt's hidden states."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(model.config, num_layers=1, layer_ids=[2], block_size=4,
+                                    mask_token_id=model.config.vocab_size - 1)
+    d = DFlashDrafter(cfg).float()
+    d.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    t = Target(model, cfg.target_layer_ids)
+    t.reset()
+    prompt = PROMPTS[0]
+    logits, hidden = t.forward(torch.tensor([prompt]), 0, hidden=True)
+    p = DFlashProposer(d, 64)
+    p.start(hidden)
+    draft = p.propose(prompt, 9, len(prompt))
+    with torch.inference_mode():
+        cache = d.new_cache(1, 64)
+        d.extend_context(cache, hidden, torch.arange(len(prompt))[None])
+        block = torch.tensor([[9, cfg.mask_token_id, cfg.mask_token_id, cfg.mask_token_id]])
+        want = d.draft_block(cache, block, torch.arange(len(prompt), len(prompt) + 4)[None]).argmax(-1)[0].tolist()
+    assert draft == want and len(draft) == 3
+
+
+def test_ngram_lookup():
+    p = NgramProposer(block_size=4, ngram_max=3)
+    assert p.propose([1, 2, 3, 9, 9, 1, 2, 3], 3, 8) == [9, 9, 1]  # longest match: the trigram 1 2 3
+    assert p.propose([5, 6, 7, 5], 5, 4) == [6, 7, 5]  # unigram match
+    assert p.propose([1, 2, 3, 4], 4, 4) == []  # nothing to look up
+    assert p.propose([7, 1, 8, 7, 2, 9, 7], 7, 7) == [2, 9, 7]  # the latest earlier occurrence wins
+
+
+def test_crop_cache_keeps_a_prefix(model):
+    from transformers import DynamicCache
+
+    t = Target(model, None)
+    t.reset()
+    t.forward(torch.tensor([PROMPTS[1]]), 0, hidden=False)
+    assert t.cache.get_seq_length() == len(PROMPTS[1])
+    crop_cache(t.cache, 4)
+    assert t.cache.get_seq_length() == 4
+    crop_cache(t.cache, 10)  # never grows
+    assert t.cache.get_seq_length() == 4
+    assert isinstance(t.cache, DynamicCache)
+
+
+def test_summary_histogram_and_slot_rates():
+    ds = [Decode([1] * 7, accept_lengths=[4, 1, 2]), Decode([1] * 4, accept_lengths=[3, 1])]
+    s = summarize("x", ds, 4)
+    assert s["tau"] == pytest.approx(11 / 5)
+    assert s["accept_length_hist"] == [2, 1, 1, 1]
+    assert s["slot_accept_rate"] == pytest.approx([3 / 5, 2 / 5, 1 / 5])
+    assert s["tau_per_prompt"] == pytest.approx([7 / 3, 2.0])
+
+
+def test_eval_cli_reports_tau_speed_losslessness_and_plot(target_dir, tmp_path, model):
+    cfg = DrafterConfig.from_target(model.config, num_layers=1, layer_ids=[1, 3], block_size=4,
+                                    mask_token_id=model.config.vocab_size - 1)
+    d = DFlashDrafter(cfg)
+    save_drafter(d, str(tmp_path / "drafter"), dtype=torch.float32)
+    data = write_jsonl(str(tmp_path / "p.jsonl"), chat_rows(5, seed=4))
+    out = tmp_path / "eval.json"
+    r = subprocess.run([sys.executable, "-m", "dflash", "eval", "--target", target_dir, "--drafter",
+                        str(tmp_path / "drafter"), "--data", data, "--max-prompts", "3", "--max-new-tokens", "12",
+                        "--json", str(out), "--plot", str(tmp_path / "acc.png"), "--no-progress"],
+                       cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "dflash drafter" in r.stdout and "n-gram lookup" in r.stdout
+    rep = json.loads(out.read_text())
+    assert rep["prompts"] == 3 and rep["block_size"] == 4 and rep["dtype"] == "float32"
+    for k in ("dflash", "ngram"):
+        assert rep[k]["outputs_identical"] == 3 and rep[k]["output_match_rate"] == 1.0  # lossless in float32
+        assert 1.0 <= rep[k]["tau"] <= 4.0 and len(rep[k]["slot_accept_rate"]) == 3
+    assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "dflash", "eval", "--target", target_dir, "--drafter",
+                          str(tmp_path / "nope"), "--data", data], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode != 0
