@@ -85,6 +85,7 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
         "tflops": tr.flops / (ms / 1000) / 1e12,
         "recompiles": res["recompiles_after_warmup"],
         "data_wait": float(np.mean([h["data_wait_frac"] for h in hist])),
+        "first_window_s": res["history"][0]["step_ms"] * min(log_every, steps) / 1000,  # incl. compilation
         "loss_first": res["history"][0]["loss"], "loss_last": res["history"][-1]["loss"],
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
     }
@@ -134,6 +135,9 @@ def main():
             r["shape"] = name
             results.append(r)
             print(json.dumps(r), flush=True)
+            if a.json:  # written after every mode, so a run cut short still leaves its results
+                with open(a.json, "w") as f:
+                    json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f, indent=2)
     by = {(r["shape"], r["compile"], r["attn"]): r for r in results}
     for name in a.shapes.split(","):
         e, c = by.get((name, "off", "flex")), by.get((name, "on", "flex"))

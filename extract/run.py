@@ -168,11 +168,20 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     writer.close()
     elapsed = time.perf_counter() - t0
     barrier()
+    all_tokens, slowest = done_tokens, elapsed
+    if dist.distributed:  # the job's throughput: every rank's tokens over the slowest rank's time
+        t = torch.tensor([float(done_tokens), elapsed], dtype=torch.float64, device=dev)
+        tot = t.clone()
+        torch.distributed.all_reduce(tot[:1])
+        torch.distributed.all_reduce(t[1:], op=torch.distributed.ReduceOp.MAX)
+        all_tokens, slowest = int(tot[0].item()), float(t[1].item())
     summary = {
         "rows": len(plan), "shards": spec.num_shards, "layer_ids": layer_ids, "seq_len": cfg.seq_len,
         "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed, "load_s": load_s,
         "tokens_this_rank": done_tokens, "tokens_per_s_this_rank": done_tokens / elapsed if elapsed > 0 else 0.0,
         "bytes_written_this_rank": writer.bytes_written, "raw_bytes_this_rank": writer.raw_bytes,
+        "ranks": dist.world, "tokens_all_ranks": all_tokens, "slowest_rank_s": slowest,
+        "tokens_per_s_all_ranks": all_tokens / slowest if slowest > 0 else 0.0,
     }
     if dist.is_main:
         c = dflash_cache.open(cfg.out, allow_incomplete=True)
