@@ -50,6 +50,7 @@ def main():
     ap.add_argument("--workdir", default="/root/dflash-scaling")
     ap.add_argument("--shm", default="/dev/shm/dflash-scaling")
     ap.add_argument("--train-ns", default=None, help="GPU counts of the training runs (default: 1,N)")
+    ap.add_argument("--train-cache", default=None, help="reuse this synthetic 8B-shaped cache (T 3072), e.g. bench/train.py's")
     ap.add_argument("--json")
     a = ap.parse_args()
     gpus = a.gpus.split(",")
@@ -86,7 +87,7 @@ def main():
         from bench.train import synthetic_cache
         from train.model import default_layer_ids
 
-        cache = synthetic_cache(os.path.join(a.shm, "train-cache"), target, 3072, 64,
+        cache = synthetic_cache(a.train_cache or os.path.join(a.shm, "train-cache"), target, 3072, 32,
                                 default_layer_ids(QWEN3_8B["num_hidden_layers"]))
         for n in ([int(x) for x in a.train_ns.split(",")] if a.train_ns else (1, len(gpus))):
             out = os.path.join(a.workdir, f"run-{n}")

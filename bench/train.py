@@ -23,6 +23,7 @@ import tempfile
 
 import numpy as np
 import torch
+import torch._dynamo
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import QWEN3_8B, SMOLLM2, hardware, random_target_dir, table  # noqa: E402
@@ -94,8 +95,6 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    import torch._dynamo
-
     torch._dynamo.reset()
     return r
 

@@ -36,6 +36,8 @@ def compute_init(device: str | None = None) -> Dist:
     if device in (None, "auto"):
         device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:  # "cuda" means this process's GPU
+        dev = torch.device("cuda", local_rank)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if world > 1 and not torch.distributed.is_initialized():
