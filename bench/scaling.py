@@ -49,6 +49,7 @@ def main():
     ap.add_argument("--steps", type=int, default=40, help="training steps per run")
     ap.add_argument("--workdir", default="/root/dflash-scaling")
     ap.add_argument("--shm", default="/dev/shm/dflash-scaling")
+    ap.add_argument("--extract-ns", default=None, help="GPU counts of the extraction runs (default: 1,N)")
     ap.add_argument("--train-ns", default=None, help="GPU counts of the training runs (default: 1,N)")
     ap.add_argument("--train-cache", default=None, help="reuse this synthetic 8B-shaped cache (T 3072), e.g. bench/train.py's")
     ap.add_argument("--json")
@@ -68,7 +69,7 @@ def main():
     if "extract" in a.parts:
         chats = os.path.join(a.workdir, "chats.jsonl")
         write_jsonl(chats, synthetic_chats(a.chats, seed=1, max_tokens=4000))
-        for n in (1, len(gpus)):
+        for n in ([int(x) for x in a.extract_ns.split(",")] if a.extract_ns else sorted({1, len(gpus)})):
             out = os.path.join(a.shm, f"cache-{n}")
             shutil.rmtree(out, ignore_errors=True)
             js = os.path.join(a.workdir, f"extract-{n}.json")
@@ -80,16 +81,17 @@ def main():
             shutil.rmtree(out, ignore_errors=True)
             res["extract"] = [r for r in rows if r["stage"] == "extract"]
             save()
-        one, many = res["extract"][0]["tok_s"], res["extract"][-1]["tok_s"]
-        res["extract_scaling"] = many / (len(gpus) * one)
-        save()
+        if len(res["extract"]) > 1:
+            one, many = res["extract"][0]["tok_s"], res["extract"][-1]["tok_s"]
+            res["extract_scaling"] = many / (res["extract"][-1]["gpus"] * one)
+            save()
     if "train" in a.parts:
         from bench.train import synthetic_cache
         from train.model import default_layer_ids
 
         cache = synthetic_cache(a.train_cache or os.path.join(a.shm, "train-cache"), target, 3072, 32,
                                 default_layer_ids(QWEN3_8B["num_hidden_layers"]))
-        for n in ([int(x) for x in a.train_ns.split(",")] if a.train_ns else (1, len(gpus))):
+        for n in ([int(x) for x in a.train_ns.split(",")] if a.train_ns else sorted({1, len(gpus)})):
             out = os.path.join(a.workdir, f"run-{n}")
             shutil.rmtree(out, ignore_errors=True)
             wall = cli(["train", "--cache", cache, "--target", target, "--out", out, "--drafter-layers", "5",
