@@ -52,6 +52,7 @@ def main():
     ap.add_argument("--extract-ns", default=None, help="GPU counts of the extraction runs (default: 1,N)")
     ap.add_argument("--train-ns", default=None, help="GPU counts of the training runs (default: 1,N)")
     ap.add_argument("--train-cache", default=None, help="reuse this synthetic 8B-shaped cache (T 3072), e.g. bench/train.py's")
+    ap.add_argument("--train-target", default=None, help="the target of --train-cache (default: the random target)")
     ap.add_argument("--json")
     a = ap.parse_args()
     gpus = a.gpus.split(",")
@@ -94,7 +95,7 @@ def main():
         for n in ([int(x) for x in a.train_ns.split(",")] if a.train_ns else sorted({1, len(gpus)})):
             out = os.path.join(a.workdir, f"run-{n}")
             shutil.rmtree(out, ignore_errors=True)
-            wall = cli(["train", "--cache", cache, "--target", target, "--out", out, "--drafter-layers", "5",
+            wall = cli(["train", "--cache", cache, "--target", a.train_target or target, "--out", out, "--drafter-layers", "5",
                         "--block-size", "16", "--num-anchors", "512", "--batch-rows", "4", "--max-steps", str(a.steps),
                         "--log-every", "5", "--save-every", "1000000", "--no-progress", "--gpus", ",".join(gpus[:n])],
                        os.path.join(a.workdir, f"train-{n}.log"))
