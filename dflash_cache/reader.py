@@ -10,8 +10,9 @@
 
 Decoding runs in background threads (blosc/zstd release the GIL) straight into the batch buffers;
 no thread here ever touches CUDA. With pin_memory=True the buffers are a ring of pinned tensors
-allocated by the caller's (main) thread; the caller must call batch.release() once its
-host-to-device copy has completed, and only then is the buffer reused.
+allocated once by the caller's (main) thread; the caller must call batch.release() once its
+host-to-device copy has completed, and only then is the buffer reused. epochs=None iterates epoch
+after epoch with the same threads and buffers, decoding the next epoch's first batches ahead.
 """
 
 from __future__ import annotations
@@ -265,18 +266,37 @@ class Cache:
 
     def batches(self, batch_rows: int, *, rank: int = 0, world: int = 1, epoch: int = 0, seed: int = 0,
                 start_step: int = 0, prefetch: int = 4, threads: int | None = None, pin_memory: bool = False,
-                check: bool = False) -> Iterator[Batch]:
-        """Fixed-shape batches of one epoch for one rank, starting at start_step (for resume)."""
+                check: bool = False, epochs: int | None = 1, reuse_buffers: bool | None = None) -> Iterator[Batch]:
+        """Fixed-shape batches for one rank: `epochs` epochs (None: endless) from step `start_step` of
+        `epoch` on (for resume). Decoding runs ahead across epoch boundaries on one thread pool.
+
+        With pin_memory (or reuse_buffers) the batches live in a ring of prefetch + 2 preallocated
+        buffers: call batch.release() once a batch has been copied away, and its buffer is refilled.
+        """
         import torch
 
         if start_step < 0:
             raise CacheError(f"start_step must be >= 0, got {start_step}")
-        order, valid = self.epoch_order(batch_rows, rank, world, epoch, seed)
-        steps = range(start_step, len(order))
-        if not len(steps):
+        if epochs is not None and epochs < 1:
+            raise CacheError(f"epochs must be >= 1 or None (endless), got {epochs}")
+
+        def plan():  # (row indices, valid) of each batch, epoch after epoch
+            e, first = epoch, start_step
+            while epochs is None or e < epoch + epochs:
+                order, valid = self.epoch_order(batch_rows, rank, world, e, seed)
+                for k in range(first, len(order)):
+                    yield order[k], valid[k]
+                e, first = e + 1, 0
+                if len(order) == 0:  # an empty cache has no batches in any epoch
+                    return
+
+        it = plan()
+        upcoming = next(it, None)
+        if upcoming is None:
             return
+        use_ring = pin_memory if reuse_buffers is None else reuse_buffers
         pool = ThreadPoolExecutor(threads or self.threads, thread_name_prefix="dflash-read")
-        ring = [self._alloc(batch_rows, True) for _ in range(prefetch + 2)] if pin_memory else None  # this thread
+        ring = [self._alloc(batch_rows, pin_memory) for _ in range(prefetch + 2)] if use_ring else None
         free = collections.deque(range(len(ring))) if ring is not None else None
         lock = threading.Lock()
 
@@ -286,16 +306,16 @@ class Cache:
                     free.append(slot)
             return release
 
-        def start(step: int):
-            """Allocate (or take a free pinned buffer) and submit the decoding of one batch."""
+        def start(rows: np.ndarray, valid: np.ndarray):
+            """Allocate (or take a free ring buffer) and submit the decoding of one batch."""
             if ring is None:
-                slot, (tens, views) = None, self._alloc(batch_rows, False)
+                slot, (tens, views) = None, self._alloc(batch_rows, pin_memory)
             else:
                 with lock:
                     slot = free.popleft()
                 tens, views = ring[slot]
-            futs = [f for j, i in enumerate(order[step]) for f in self._submit_row(pool, int(i), views, j, check)]
-            return step, tens, views, slot, futs
+            futs = [f for j, i in enumerate(rows) for f in self._submit_row(pool, int(i), views, j, check)]
+            return rows, valid, tens, views, slot, futs
 
         def can_start() -> bool:
             if ring is None:
@@ -304,32 +324,30 @@ class Cache:
                 return bool(free)
 
         pending: collections.deque = collections.deque()
-        it = iter(steps)
         try:
             def top_up():
-                while len(pending) < prefetch and can_start():
-                    step = next(it, None)
-                    if step is None:
-                        return
-                    pending.append(start(step))
+                nonlocal upcoming
+                while len(pending) < prefetch and upcoming is not None and can_start():
+                    pending.append(start(*upcoming))
+                    upcoming = next(it, None)
 
             top_up()
             while pending:
-                step, tens, views, slot, futs = pending.popleft()
+                rows, valid, tens, views, slot, futs = pending.popleft()
                 for f in futs:
                     f.result()
-                bad = ~valid[step]
+                bad = ~valid
                 if bad.any():
                     views["loss_mask"][bad] = 0  # filler rows (repeats that even out the ranks) teach nothing
                 out = dict(tens)
-                out["row_index"] = torch.from_numpy(order[step].astype(np.int64))
-                out["row_valid"] = torch.from_numpy(valid[step].copy())
+                out["row_index"] = torch.from_numpy(rows.astype(np.int64))
+                out["row_valid"] = torch.from_numpy(valid.copy())
                 yield Batch(out, give_back(slot) if slot is not None else None)
                 top_up()
-                if ring is not None and not pending and step + 1 < len(order):
+                if ring is not None and not pending and upcoming is not None:
                     raise CacheError(
-                        f"all {len(ring)} pinned batch buffers are held by the consumer: call batch.release() "
-                        "once a batch has been copied to the device"
+                        f"all {len(ring)} batch buffers are held by the consumer: call batch.release() "
+                        "once a batch has been copied away"
                     )
         finally:
             for *_, futs in pending:

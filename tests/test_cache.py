@@ -595,6 +595,53 @@ def test_start_step_yields_the_tail_of_the_epoch(iter_cache):
         list(cache.batches(0))
 
 
+def _copy(batch) -> dict:
+    return {k: bits(v).copy() for k, v in batch.items()}
+
+
+def test_multi_epoch_iteration_equals_epoch_by_epoch(iter_cache):
+    """epochs=E (or None, endless) from (epoch, start_step) yields exactly the batches of iterating the
+    epochs one by one, with the same buffers and threads throughout (what the trainer relies on)."""
+    import itertools
+
+    cache, _ = iter_cache
+    per_epoch = [[_copy(b) for b in cache.batches(2, epoch=e, seed=3, threads=2)] for e in range(1, 5)]
+    want = [b for ep in per_epoch for b in ep][4:]  # from step 4 of epoch 1 on
+    for kwargs in ({"epochs": 4}, {"epochs": None}, {"epochs": None, "reuse_buffers": True, "prefetch": 3}):
+        got = []
+        it = cache.batches(2, epoch=1, seed=3, start_step=4, threads=2, **kwargs)
+        for b in itertools.islice(it, len(want)):
+            got.append(_copy(b))
+            b.release()
+        more = next(it, None)
+        assert (more is None) == (kwargs["epochs"] == 4)
+        it.close()
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert a.keys() == b.keys()
+            for key in a:
+                np.testing.assert_array_equal(a[key], b[key])
+    assert dflash_threads() == []
+    with pytest.raises(CacheError, match="epochs"):
+        list(cache.batches(2, epochs=0))
+
+
+def test_reused_buffers_form_a_ring_and_need_release(iter_cache):
+    cache, want = iter_cache
+    it = cache.batches(1, reuse_buffers=True, prefetch=2, threads=2, epochs=2)
+    seen, buffers = [], set()
+    for b in it:
+        buffers.add(b["hidden"].data_ptr())
+        i = int(b["row_index"][0])
+        np.testing.assert_array_equal(bits(b["hidden"])[0], want["hidden"][i])
+        seen.append(i)
+        b.release()
+    assert sorted(seen) == sorted(list(range(N_ITER)) * 2)
+    assert len(buffers) <= 4  # prefetch + 2 buffers for 22 batches
+    with pytest.raises(CacheError, match="release"):
+        list(cache.batches(1, reuse_buffers=True, prefetch=2))  # holding every buffer is an error, not a hang
+
+
 def test_unpinned_batches_are_plain_cpu_tensors(iter_cache):
     cache, _ = iter_cache
     it = cache.batches(4, pin_memory=False, threads=2)

@@ -408,16 +408,16 @@ class Trainer:
 
     # -- data ---------------------------------------------------------------------------------
     def micro_batches(self, start_micro: int):
-        """Endless micro-batches from micro-step `start_micro` on, epoch after epoch."""
+        """Endless micro-batches from micro-step `start_micro` on, epoch after epoch: one reader whose
+        threads and pinned buffers outlive epochs and which decodes ahead across their boundaries."""
         cfg, d = self.cfg, self.dist
+        epoch, within = divmod(start_micro, self.spe)
         m = start_micro
-        while True:
-            epoch, within = divmod(m, self.spe)
-            for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
-                                        start_step=within, prefetch=cfg.prefetch, threads=cfg.loader_threads,
-                                        pin_memory=self.cuda, check=True):  # CRC every chunk read
-                yield m, b
-                m += 1
+        for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
+                                    start_step=within, epochs=None, prefetch=cfg.prefetch,
+                                    threads=cfg.loader_threads, pin_memory=self.cuda, check=True):  # CRC every chunk
+            yield m, b
+            m += 1
 
     def anchor_scores(self, micro: int, rows: int, T: int) -> torch.Tensor:
         # a function of (seed, micro-step, rank): resumes draw exactly what an uninterrupted run draws
@@ -557,6 +557,7 @@ class Trainer:
             bar.close()
             if prev is not None:
                 prev[1].release()
+            data.close()  # stops the reader's threads
             dynamo.config.error_on_recompile = False
         elapsed = time.perf_counter() - t_start
         recompiles = (_compile_count() - compiles_at_warm) if compiles_at_warm is not None else 0
