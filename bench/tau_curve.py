@@ -2,7 +2,7 @@
 at a larger scale — more data, more steps, a deeper drafter — with every checkpoint measured by real
 speculative decoding on the same held-out prompts.
 
-    python bench/tau_curve.py --workdir work/tau-curve                     # ~2-3 h on 2 CPU cores
+    python bench/tau_curve.py --workdir work/tau-curve                     # ~1.5 h on 2 CPU cores
     python bench/tau_curve.py --workdir work/tau-curve --responses original  # the same on human replies
 
 Each stage resumes when rerun (regenerate, extract and train do; evaluated checkpoints are kept in
@@ -23,10 +23,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", default="work/tau-curve")
     ap.add_argument("--responses", choices=["regenerate", "original"], default="regenerate")
-    ap.add_argument("--train-prompts", type=int, default=2000)
-    ap.add_argument("--eval-prompts", type=int, default=24)
-    ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--eval-every", type=int, default=250)
+    ap.add_argument("--train-prompts", type=int, default=1200)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--eval-every", type=int, default=100)
     ap.add_argument("--config", default="smollm2-long")
     ap.add_argument("--device", default="auto")
     a = ap.parse_args()
