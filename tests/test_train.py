@@ -9,7 +9,8 @@ compile on 2 cores the first time, ~15 s once inductor's on-disk cache is warm.
 What is covered:
     the CLI run: run.json, metrics.jsonl (loss goes down, grad norms finite, lr = train.trainer.lr_at),
         checkpoints (keep_checkpoints), summary.json, the servable final/ (load_drafter, dflash_config)
-    compiled vs eager: the same losses, no recompiles after warm-up
+    compiled vs eager: the same losses, no recompiles after warm-up; also with bf16 weights, an untied head,
+        GQA and a multi-chunk cross-entropy (in process)
     SIGKILL after a checkpoint + rerun: the same losses and weights, bit for bit, as an uninterrupted run;
         also when killed before the first checkpoint; no duplicate steps in metrics.jsonl; gradient
         accumulation (and its resume)
@@ -236,6 +237,35 @@ def test_compiled_matches_eager_with_no_recompiles(env, tmp_path):
     s = read_json(tmp_path / "compiled" / "summary.json")
     assert s["recompiles_after_warmup"] == 0 and s["steps"] == 10
     assert read_json(tmp_path / "compiled" / "run.json")["config"]["compile"] == "on"
+
+
+@pytest.mark.slow
+def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypatch):
+    """What the 8B shape has and the run above lacks: bf16 weights, an untied LM head, GQA 4:1, B = 16 and a
+    cross-entropy over several chunks (forced to 256 slots each). Eager and compiled agree on CPU."""
+    import train.model as model
+    from bench.common import random_target_dir
+    from bench.train import synthetic_cache
+    from train.trainer import Trainer, TrainConfig
+
+    monkeypatch.setattr(model, "ce_chunk", lambda vocab, budget_bytes=0: 256)  # 2 rows x 32 anchors x 15 slots: 4 chunks
+    shape = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
+                 tie_word_embeddings=False)
+    target = random_target_dir(str(tmp_path / "target"), shape, device="cpu", head_only=True)
+    cache = synthetic_cache(str(tmp_path / "cache"), target, 256, 16, model.default_layer_ids(8))
+    hist = {}
+    for comp in ("off", "on"):
+        cfg = TrainConfig(cache=cache, target=target, out=str(tmp_path / comp), drafter_layers=1, block_size=16,
+                          num_anchors=32, batch_rows=2, max_steps=4, log_every=1, save_every=10**9, compile=comp,
+                          attn="sdpa", param_dtype="bfloat16", progress=False, lr=6e-4)
+        res = Trainer(cfg).train()
+        assert res["recompiles_after_warmup"] == 0
+        hist[comp] = res["history"]
+    assert len(hist["on"]) == len(hist["off"]) == 4
+    for a, b in zip(hist["off"], hist["on"]):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (a["step"], a["loss"], b["loss"])
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-2), (a["step"], a["grad_norm"], b["grad_norm"])
 
 
 # ------------------------------------------------------------------------------------------------ 3. resume
