@@ -28,7 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory):
-    torch.set_num_threads(1)
     return make_tiny_target(str(tmp_path_factory.mktemp("eval") / "target"), arch="qwen3", num_layers=6, hidden=64)
 
 

@@ -62,15 +62,6 @@ LAYERS = [1, 3, 5]
 # ------------------------------------------------------------------------------------------------ fixtures/helpers
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: more threads only add overhead, and spin on a busy machine (the CLI runs get OMP_NUM_THREADS=1)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
     return tmp_path_factory.mktemp("extract")

@@ -36,15 +36,6 @@ from extract.target import TargetError, load_causal_lm, load_tokenizer
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """A tiny model runs fastest on one thread (and a busy 2-core machine makes two threads crawl)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     return make_tiny_target(tmp_path_factory.mktemp("tiny") / "target")

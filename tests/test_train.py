@@ -123,15 +123,6 @@ def weights(path: Path) -> dict[str, torch.Tensor]:
 # ------------------------------------------------------------------------------------------------ fixtures
 
 
-@pytest.fixture(scope="module", autouse=True)
-def single_thread():
-    """In-process runs use one intra-op thread, like the subprocesses (see _env)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     """A tiny target and a cache extracted from it by the real `dflash extract`."""
