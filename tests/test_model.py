@@ -358,3 +358,30 @@ def test_chunked_loss_equals_full_logits_reference():
             assert torch.allclose(met[k], ref_met[k]), k
         for n, p in m.named_parameters():
             assert torch.allclose(p.grad, ref_grads[n], rtol=1e-4, atol=1e-6), n
+
+
+def test_rope_frequencies_stay_float32_in_a_bf16_drafter():
+    """Casting the drafter to bf16 keeps its RoPE frequencies in float32, so its rotations at long positions are
+    those of transformers' Qwen3 rotary embedding (what serving computes), not bf16-rounded ones."""
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+    from train.model import rope_cos_sin, rope_inv_freq
+
+    cfg = DrafterConfig.named("tiny", rope_theta=1_000_000.0)
+    m = DFlashDrafter(cfg).to(torch.bfloat16)
+    assert m.fc.weight.dtype == torch.bfloat16 and m.inv_freq.dtype == torch.float32
+    assert torch.equal(m.inv_freq, rope_inv_freq(cfg))
+    kw = dict(hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_heads, head_dim=cfg.head_dim,
+              num_key_value_heads=cfg.num_kv_heads, max_position_embeddings=cfg.max_position_embeddings)
+    try:  # transformers 5 names RoPE settings rope_parameters; 4.x, rope_theta
+        hf_cfg = Qwen3Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta})
+    except TypeError:
+        hf_cfg = Qwen3Config(**kw, rope_theta=cfg.rope_theta)
+    rot = Qwen3RotaryEmbedding(hf_cfg)
+    pos = torch.arange(2990, 3010)[None]
+    want_cos, want_sin = rot(torch.zeros(1, 1, dtype=torch.bfloat16), pos)
+    cos, sin = rope_cos_sin(m.inv_freq, pos, torch.bfloat16)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    bad_cos, _ = rope_cos_sin(m.inv_freq.to(torch.bfloat16), pos, torch.bfloat16)
+    assert (bad_cos.float() - want_cos.float()).abs().max() > 0.1  # what the bf16 frequencies gave

@@ -426,6 +426,13 @@ class DFlashDrafter(nn.Module):
         self.register_buffer("lm_head_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
         self.reset_parameters()
 
+    def _apply(self, fn, recurse=True):
+        # .to(bfloat16) and friends convert floating buffers too; the RoPE frequencies stay float32, as the
+        # serving stacks compute them (bf16 frequencies turn position 3000 by up to ~0.5 rad the wrong way)
+        out = super()._apply(fn, recurse)
+        self.inv_freq = rope_inv_freq(self.cfg).to(self.inv_freq.device)
+        return out
+
     def reset_parameters(self, std: float = 0.02, seed: int | None = None):
         g = torch.Generator().manual_seed(seed) if seed is not None else None
         for m in self.modules():
