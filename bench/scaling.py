@@ -58,7 +58,11 @@ def main():
     gpus = a.gpus.split(",")
     os.makedirs(a.workdir, exist_ok=True)
     os.makedirs(a.shm, exist_ok=True)
-    target = random_target_dir(os.path.join(a.workdir, "target"), QWEN3_8B, device="cuda")
+    # extraction needs the whole random target (16 GB); training reads only its embedding and LM head
+    if "extract" in a.parts:
+        target = random_target_dir(os.path.join(a.workdir, "target"), QWEN3_8B, device="cuda")
+    else:
+        target = a.train_target or random_target_dir(os.path.join(a.workdir, "target-head"), QWEN3_8B, head_only=True)
     res = {"hardware": hardware(), "gpus": len(gpus)}
 
     def save():

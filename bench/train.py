@@ -35,6 +35,25 @@ SHAPES = {
 }
 
 
+def synthetic_rows(n: int, seq_len: int, width: int, vocab: int, rng, g):
+    """n packed rows as the cache stores them: 3-6 documents per row, ~3% padding, the first quarter of
+    each document (its prompt) unsupervised, random ids, random bf16 hidden states (std 2, 0 on padding)."""
+    doc = np.zeros((n, seq_len), np.int32)
+    lm = np.zeros((n, seq_len), np.uint8)
+    for r in range(n):
+        cuts = np.sort(rng.choice(np.arange(64, seq_len - 64), size=rng.integers(2, 6), replace=False))
+        end = int(seq_len * 0.97)
+        bounds = [0, *[c for c in cuts if c < end], end]
+        for d in range(len(bounds) - 1):
+            a, b = bounds[d], bounds[d + 1]
+            doc[r, a:b] = d + 1
+            lm[r, a + (b - a) // 4:b] = 1
+    ids = rng.integers(0, vocab, (n, seq_len), dtype=np.int32)
+    hid = (torch.randn(n, seq_len, width, generator=g) * 2).to(torch.bfloat16)
+    hid[torch.from_numpy(doc == 0)] = 0
+    return ids, lm, doc, hid
+
+
 def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: list[int], seed: int = 0) -> str:
     import dflash_cache
     from extract.target import target_info
@@ -50,20 +69,7 @@ def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: 
     with dflash_cache.CacheWriter(path, spec, threads=16) as w:
         for s in range(spec.num_shards):
             _, n = spec.shard_rows(s)
-            doc = np.zeros((n, seq_len), np.int32)
-            lm = np.zeros((n, seq_len), np.uint8)
-            for r in range(n):  # 3-6 documents per row, ~3% padding, prompts unsupervised
-                cuts = np.sort(rng.choice(np.arange(64, seq_len - 64), size=rng.integers(2, 6), replace=False))
-                end = int(seq_len * 0.97)
-                bounds = [0, *[c for c in cuts if c < end], end]
-                for d in range(len(bounds) - 1):
-                    a, b = bounds[d], bounds[d + 1]
-                    doc[r, a:b] = d + 1
-                    lm[r, a + (b - a) // 4:b] = 1
-            ids = rng.integers(0, info.vocab_size, (n, seq_len), dtype=np.int32)
-            hid = (torch.randn(n, seq_len, H * len(layer_ids), generator=g) * 2).to(torch.bfloat16)
-            hid[torch.from_numpy(doc == 0)] = 0
-            w.write_shard(s, ids, lm, doc, hid)
+            w.write_shard(s, *synthetic_rows(n, seq_len, H * len(layer_ids), info.vocab_size, rng, g))
     return path
 
 
