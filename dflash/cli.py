@@ -220,6 +220,9 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @click.option("--mask-token-id", type=int, help="Mask token id.  [default: an unused id of the target's vocabulary]")
 @click.option("--seed", type=int, help="Seed for init, data order and anchors.  [default: 0]")
 @click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="Compiled CUDA-graph step (off = eager).  [default: on for GPU, off for CPU]")
+@click.option("--compile-check/--no-compile-check", default=None,
+              help="Before training, compare the compiled step's loss and gradients on the first batch with the eager "
+                   "step's (attention through SDPA); if they disagree, train eagerly and say so.  [default: on]")
 @click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Attention.  [default: flex on GPU, sdpa on CPU]")
 @click.option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--log-every", type=int, help="Steps between metric logs (the only host syncs).  [default: 10]")

@@ -227,6 +227,9 @@ def test_compiled_matches_eager_with_no_recompiles(env, tmp_path):
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3), (a["step"], a["grad_norm"], b["grad_norm"])
     s = read_json(tmp_path / "compiled" / "summary.json")
     assert s["recompiles_after_warmup"] == 0 and s["steps"] == 10
+    c = s["compile_check"]  # the compiled step checked itself against the eager one on the first batch, and passed
+    assert s["compiled"] and c["ran"] and c["passed"] and "agree" in p.stdout, p.stdout
+    assert c["loss_compiled"] == pytest.approx(c["loss_eager"], rel=1e-5) and c["grad_rel_err"] < 1e-3
     assert read_json(tmp_path / "compiled" / "run.json")["config"]["compile"] == "on"
 
 
@@ -252,11 +255,57 @@ def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypat
                           attn="sdpa", param_dtype="bfloat16", progress=False, lr=6e-4)
         res = Trainer(cfg).train()
         assert res["recompiles_after_warmup"] == 0
+        if comp == "on":  # the first-batch check ran and passed: the run stayed compiled
+            assert res["compiled"] and res["compile_check"]["passed"], res["compile_check"]
+            assert res["compile_check"]["grad_rel_err"] < 0.05, res["compile_check"]
         hist[comp] = res["history"]
     assert len(hist["on"]) == len(hist["off"]) == 4
     for a, b in zip(hist["off"], hist["on"]):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-3), (a["step"], a["loss"], b["loss"])
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=3e-2), (a["step"], a["grad_norm"], b["grad_norm"])
+
+
+def test_a_compiled_step_that_disagrees_with_eager_is_replaced_by_the_eager_one(env, tmp_path, capsys):
+    """The first-batch check catches a compiled step whose gradients are wrong (here: its loss scaled by 1.3, as a
+    faulty graph would do) and the run continues eagerly: the same trajectory as an eager run, said out loud."""
+    from train.trainer import Trainer
+
+    cache, target = env["cache"], env["target"]
+    common = dict(cache=str(cache), target=str(target), drafter_layers=1, block_size=4, num_anchors=16, batch_rows=2,
+                  max_steps=4, log_every=1, save_every=10**9, progress=False, seed=3)
+    eager = Trainer(TrainConfig(out=str(tmp_path / "eager"), compile="off", **common)).train()
+    tr = Trainer(TrainConfig(out=str(tmp_path / "faulty"), compile="on", **common))
+    assert tr.compiled
+    right = tr.model.forward_train
+
+    def faulty(*args):  # stands in for a compiled graph (not compiled here: the test is about what follows)
+        loss, met = right(*args)
+        return loss * 1.3, met
+
+    tr.fwd = faulty
+    res = tr.train()
+    out = capsys.readouterr().out
+    c = res["compile_check"]
+    assert c["ran"] and not c["passed"] and not res["compiled"]
+    assert c["grad_rel_err"] == pytest.approx(0.3, rel=1e-3) and c["loss_compiled"] == pytest.approx(1.3 * c["loss_eager"])
+    assert "DISAGREE" in out and "continuing with the eager step" in out, out
+    assert [h["loss"] for h in res["history"]] == pytest.approx([h["loss"] for h in eager["history"]], rel=1e-6)
+    assert read_json(tmp_path / "faulty" / "summary.json")["compile_check"]["passed"] is False
+
+
+def test_no_compile_check_flag(env, tmp_path):
+    """--no-compile-check skips the check (the summary says so) and is part of `dflash train --help`."""
+    from train.trainer import Trainer
+
+    p = dflash("train", "--help")
+    assert "--no-compile-check" in p.stdout
+    cfg = TrainConfig(cache=str(env["cache"]), target=str(env["target"]), out=str(tmp_path / "r"), drafter_layers=1,
+                      block_size=4, num_anchors=16, batch_rows=2, max_steps=1, progress=False, compile="on",
+                      compile_check=False)
+    tr = Trainer(cfg)
+    tr.fwd = tr.model.forward_train  # no compilation needed to see that the check does not run
+    res = tr.train()
+    assert res["compile_check"] is None and res["compiled"]
 
 
 # ------------------------------------------------------------------------------------------------ 3. resume

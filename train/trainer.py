@@ -38,6 +38,12 @@ from dflash.errors import DflashError
 
 from .model import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
 
+# The compiled step passes its check when its first-batch loss and gradients are those of the eager step up to
+# bf16 rounding. Measured at the Qwen3-8B shape on an H200: eager bf16 vs float32 differ by 1e-5 (loss) and
+# 0.023 (gradients, relative L2 over all parameters); the faulty compiled graph differed by 7.5e-4 and 0.79.
+CHECK_LOSS_RTOL = 1e-3
+CHECK_GRAD_RTOL = 0.15
+
 H200_PEAK_BF16 = 989e12  # dense bf16 FLOP/s, datasheet (measured here: ~790e12 on an 8192^3 matmul)
 
 
@@ -79,6 +85,7 @@ class TrainConfig:
     param_dtype: str = "auto"  # bfloat16 on GPU (as the peers), float32 on CPU
     attn: str = "auto"  # flex on GPU, sdpa on CPU
     compile: str = "auto"  # on (GPU), off (CPU), or force either
+    compile_check: bool = True  # check the compiled step against an eager reference on the first batch
     loader_threads: int = 4
     prefetch: int = 4
     # bookkeeping
@@ -387,6 +394,52 @@ class Trainer:
         self.nparams = n
         self.flops = step_flops(self.dcfg, cfg.batch_rows * cfg.grad_accum, T, cfg.num_anchors)
         self.gen = torch.Generator(device=dev)
+        self.check: dict[str, Any] | None = None
+
+    def check_compiled(self, x: dict, scores: torch.Tensor) -> dict[str, Any]:
+        """The compiled step against the eager one (attention through dense SDPA: no kernel shared with
+        flex_attention, nothing compiled) on the same micro-batch: loss and gradients. On disagreement the
+        run continues eagerly -- at the Qwen3-8B shape, torch 2.11's compiled graph was found to give
+        wrong gradients (BENCHMARKS.md, "Compiled step"); a run must not learn from those silently."""
+        cfg, model = self.cfg, self.model
+        args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma)
+
+        def loss_and_grads(fn):
+            loss, _ = fn(*args)
+            loss.backward()
+            grads = [p.grad.detach().clone() for p in self.params]
+            for p in self.params:
+                p.grad = None
+            return float(loss.detach()), grads
+
+        t0 = time.perf_counter()
+        if self.cuda:
+            torch.compiler.cudagraph_mark_step_begin()
+        loss_c, g_c = loss_and_grads(self.fwd)
+        saved = model.attn_impl
+        model.attn_impl = "sdpa"
+        try:
+            loss_e, g_e = loss_and_grads(model.forward_train)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            return {"ran": False, "why": "the eager reference did not fit in memory", "passed": True}
+        finally:
+            model.attn_impl = saved
+        num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(g_c, g_e))
+        den = sum(float(b.float().pow(2).sum()) for b in g_e)
+        grad_err = math.sqrt(num / max(den, 1e-30))
+        cos = [float(_cosine(a, b)) for a, b in zip(g_c, g_e)]
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        worst = min(range(len(cos)), key=cos.__getitem__)
+        loss_err = abs(loss_c - loss_e) / max(abs(loss_e), 1e-6)
+        ok = math.isfinite(loss_c) and loss_err <= CHECK_LOSS_RTOL and grad_err <= CHECK_GRAD_RTOL
+        if self.dist.distributed:  # every rank continues the same way
+            flag = torch.tensor([1.0 if ok else 0.0], device=self.dev)
+            torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+            ok = bool(flag.item() == 1.0)
+        return {"ran": True, "passed": ok, "loss_compiled": loss_c, "loss_eager": loss_e, "loss_rel_err": loss_err,
+                "grad_rel_err": grad_err, "min_grad_cos": cos[worst], "min_grad_cos_param": names[worst],
+                "seconds": time.perf_counter() - t0}
 
     def _restore(self, ck: str) -> None:
         from safetensors.torch import load_file
@@ -464,6 +517,22 @@ class Trainer:
                             prev[1].release()
                         prev = (ev, batch)
                     scores = self.anchor_scores(micro, x["input_ids"].shape[0], T)
+                    if self.compiled and cfg.compile_check and self.check is None:
+                        self.check = self.check_compiled(x, scores)
+                        c = self.check
+                        if c["ran"]:
+                            print0(f"train: compiled step vs eager on the first batch: loss {c['loss_compiled']:.5f} vs "
+                                   f"{c['loss_eager']:.5f}, gradient error {c['grad_rel_err']:.3g} (lowest cosine "
+                                   f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): "
+                                   f"{'agree' if c['passed'] else 'DISAGREE'}")
+                        else:
+                            print0(f"train: note: compiled-step check skipped: {c['why']}")
+                        if not c["passed"]:
+                            print0("train: WARNING: the compiled step disagrees with the eager one at this shape; "
+                                   "continuing with the eager step (slower, correct). --no-compile-check skips the "
+                                   "check; --compile off skips compilation.")
+                            self.compiled = False
+                            self.fwd = self.model.forward_train
                     if self.compiled and self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
                     loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
@@ -567,7 +636,8 @@ class Trainer:
         logger.finish()
         out = {"steps": self.step, "history": history, "elapsed_s": elapsed, "steps_this_run": steps_done,
                "data_wait_frac": wait_total / elapsed if elapsed > 0 else 0.0, "recompiles_after_warmup": recompiles,
-               "final": os.path.join(cfg.out, "final"), "params": self.nparams}
+               "final": os.path.join(cfg.out, "final"), "params": self.nparams, "compiled": self.compiled,
+               "compile_check": self.check}
         if dist.is_main:
             _atomic_json(os.path.join(cfg.out, "summary.json"), out)
         return out
@@ -580,6 +650,11 @@ class Trainer:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    a, b = a.float().reshape(-1), b.float().reshape(-1)
+    return (a @ b) / (a.norm() * b.norm()).clamp(min=1e-30)
 
 
 def _compile_count() -> int:
