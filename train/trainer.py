@@ -421,6 +421,8 @@ class Trainer:
         try:
             loss_e, g_e = loss_and_grads(model.forward_train)
         except torch.OutOfMemoryError:
+            for p in self.params:
+                p.grad = None
             torch.cuda.empty_cache()
             return {"ran": False, "why": "the eager reference did not fit in memory", "passed": True}
         finally:
