@@ -3,7 +3,7 @@
     python bench/flex_check.py                    # Qwen3-8B shape, one drafter layer, on the GPU
     python bench/flex_check.py --shape demo
 
-Every variant is compared with an independent float32 reference: the same layer through SDPA with the
+Every variant is compared with an independent float32 reference: the same layer(s) through SDPA with the
 dense boolean mask (`attn="sdpa"`), which shares no kernel with flex_attention. Reported per variant:
 relative error of the layer output and of the gradients w.r.t. its input, the context and each weight.
 
@@ -11,6 +11,8 @@ relative error of the layer output and of the gradients w.r.t. its input, the co
   c_inmask   one torch.compile graph: block mask built in the graph, flex in the graph (what `dflash train` does)
   c_argmask  one torch.compile graph with flex in it; the block mask built eagerly and passed in
   c_contig   as c_inmask, with q, k, v made contiguous before flex_attention
+  c_rope     as c_inmask, with the RoPE tables computed inside the graph from the positions
+  c_layers   as c_rope, through all the drafter's layers sharing one block mask in one graph
 Also: make_blocks compiled vs eager, the block masks (partial and full blocks) built in a graph vs eagerly, and
 the chunked loss compiled vs eager (against float32).
 """
@@ -56,8 +58,10 @@ def block_dense(t) -> torch.Tensor:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(ALL_SHAPES))
-    ap.add_argument("--variants", default="eager,c_inmask,c_argmask,c_contig")
+    ap.add_argument("--variants", default="c_inmask,c_rope,c_layers",
+                    help="comma list of eager, c_inmask, c_argmask, c_contig, c_rope, c_layers (see above)")
     ap.add_argument("--device", default="cuda", help="cuda (flex's backward does not run on CPU)")
+    ap.add_argument("--attn", default="flex", help="attention of the variants: flex, or sdpa (a smoke run on CPU)")
     ap.add_argument("--json")
     a = ap.parse_args()
     dev = a.device
@@ -79,20 +83,23 @@ def main():
     x0 = torch.randn(rows, N * block, dcfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
     ctx0 = torch.randn(rows, T, dcfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
     dout = torch.randn(rows, N * block, dcfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
-    layer = model.layers[0]
-
-    def run(layer_, dtype, impl, fn_kind):
-        """Output and grads (input, context, weights) of one layer's attention block."""
+    def run(layers_, dtype, impl, fn_kind, rope_in_graph=False):
+        """Output and grads (input, context, weights) of the given drafter layers, run as the model runs them."""
         x = x0.detach().to(dtype, copy=True).requires_grad_(True)
         ctx = ctx0.detach().to(dtype, copy=True).requires_grad_(True)
         ctx_cos, ctx_sin = M.rope_cos_sin(model.inv_freq, blocks.ctx_positions, dtype)
         q_cos, q_sin = M.rope_cos_sin(model.inv_freq, blocks.positions.view(rows, N * block), dtype)
 
         def body(x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, anchors_, tokens, adoc, cpos, pos, doc_, mask=None):
+            if rope_in_graph:  # the tables from the positions, inside the graph (as forward_train does)
+                ctx_cos, ctx_sin = M.rope_cos_sin(model.inv_freq, cpos, x.dtype)
+                q_cos, q_sin = M.rope_cos_sin(model.inv_freq, pos.reshape(pos.shape[0], -1), x.dtype)
             if mask is None:
                 b = M.Blocks(anchors_, None, tokens, pos, None, None, cpos, adoc)
                 mask = (M.flex_block_mask if impl == "flex" else M.dense_block_mask)(b, doc_, None)
-            return model._layer(layer_, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask)
+            for layer_ in layers_:
+                x = model._layer(layer_, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask)
+            return x
 
         args = (x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, blocks.anchors, blocks.tokens, blocks.anchor_doc,
                 blocks.ctx_positions, blocks.positions, doc)
@@ -110,10 +117,11 @@ def main():
             model.attn_impl = saved
         out.backward(dout.to(dtype))
         grads = {"x": x.grad, "ctx": ctx.grad}
-        for n, p in layer_.named_parameters():
-            if p.grad is not None:
-                grads[n] = p.grad.clone()
-                p.grad = None
+        for i, layer_ in enumerate(layers_):
+            for n, p in layer_.named_parameters():
+                if p.grad is not None:
+                    grads[f"{i}.{n}"] = p.grad.clone()
+                    p.grad = None
         return out.detach(), grads
 
     # the block layout (anchors, positions, labels): compiled vs eager
@@ -161,21 +169,23 @@ def main():
     print("mask", json.dumps(res["mask"]), flush=True)
     save()
 
-    # the reference: float32, SDPA with the dense mask
-    l32 = copy.deepcopy(layer).float()
-    t0 = time.perf_counter()
-    try:
-        ref_out, ref_g = run(l32, torch.float32, "sdpa", "eager")
-        res["reference"] = "float32 sdpa, dense mask"
-    except torch.OutOfMemoryError:  # fall back on eager bf16 flex: then only graph-vs-eager differences show
-        torch.cuda.empty_cache()
-        ref_out, ref_g = run(layer, torch.bfloat16, "flex", "eager")
-        res["reference"] = "eager bf16 flex (float32 sdpa did not fit)"
-    del l32
-    res["reference_s"] = time.perf_counter() - t0
-    print("reference done", res["reference_s"], flush=True)
+    # the layers: float32 SDPA references (one layer, all layers), then the variants
+    refs = {}
+
+    def reference(n):
+        if n not in refs:
+            l32 = [copy.deepcopy(layer).float() for layer in model.layers[:n]]
+            try:
+                refs[n] = (*run(l32, torch.float32, "sdpa", "eager"), "float32 sdpa, dense mask")
+            except torch.OutOfMemoryError:  # fall back on eager bf16 flex: only graph-vs-eager differences show
+                torch.cuda.empty_cache()
+                refs[n] = (*run(list(model.layers[:n]), torch.bfloat16, "flex", "eager"), "eager bf16 flex")
+        return refs[n]
+
     res["variants"] = {}
     for v in a.variants.split(","):
+        n = len(model.layers) if v == "c_layers" else 1
+        kind = {"eager": "eager", "c_rope": "c_inmask", "c_layers": "c_inmask", "c_contig": "c_inmask"}.get(v, v)
         saved_attend = M.attend
         if v == "c_contig":
             def attend_contig(q, k, v_, mask, impl, _f=saved_attend):
@@ -183,8 +193,10 @@ def main():
             M.attend = attend_contig
         t0 = time.perf_counter()
         try:
-            out, gr = run(layer, torch.bfloat16, "flex", "eager" if v == "eager" else v)
-            r = {"out": rel(out, ref_out), **{f"d_{k}": rel(gr[k], ref_g[k]) for k in ref_g}, "s": time.perf_counter() - t0}
+            ref_out, ref_g, ref_name = reference(n)
+            out, gr = run(list(model.layers[:n]), torch.bfloat16, a.attn, kind, rope_in_graph=v in ("c_rope", "c_layers"))
+            r = {"layers": n, "reference": ref_name, "out": rel(out, ref_out),
+                 **{f"d_{k}": rel(gr[k], ref_g[k]) for k in ref_g}, "s": time.perf_counter() - t0}
         except Exception as e:  # noqa: BLE001 - a variant that fails is a finding too
             r = {"error": repr(e)[-1500:]}
         finally:
@@ -193,7 +205,6 @@ def main():
         res["variants"][v] = r
         print(v, json.dumps(r), flush=True)
         save()
-
 
 if __name__ == "__main__":
     main()
