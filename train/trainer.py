@@ -447,6 +447,17 @@ class Trainer:
         res.update(passed=ok, seconds=time.perf_counter() - t0)
         return res
 
+    def release_compiled(self) -> None:
+        """Drop the compiled graphs and their CUDA-graph memory pool (the eager step needs that memory)."""
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        if self.cuda:
+            from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+            reset_cudagraph_trees()
+            torch.cuda.empty_cache()
+
     def _restore(self, ck: str) -> None:
         from safetensors.torch import load_file
 
@@ -539,6 +550,7 @@ class Trainer:
                                    "check; --compile off skips compilation.")
                             self.compiled = False
                             self.fwd = self.model.forward_train
+                            self.release_compiled()
                     if self.compiled and self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
                     loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
