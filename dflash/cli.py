@@ -8,7 +8,6 @@ or let it launch torchrun for you with --gpus 0,1,2,3,4.
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import click
@@ -58,16 +57,6 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
 from dflash.demo import DemoConfig  # noqa: E402  (light: dataclass only)
 
 DEMO_DEFAULTS = DemoConfig()
-
-
-def write_json0(path: str, obj) -> None:
-    """Write a run summary once: from global rank 0 under torchrun (ranks' summaries differ), atomically."""
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    os.replace(tmp, path)
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -196,6 +185,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     cfg = build(ExtractConfig, preset, "extract", flags)
     summary = run_extract(cfg)
     if json_out:
+        from dflash.dist import write_json0
+
         write_json0(json_out, summary)
 
 
@@ -334,6 +325,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     cfg = build(RegenerateConfig, preset, "regenerate", flags)
     summary = run_regenerate(cfg)
     if json_out:
+        from dflash.dist import write_json0
+
         write_json0(json_out, summary)
 
 

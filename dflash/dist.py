@@ -61,6 +61,22 @@ def print0(*args, **kwargs) -> None:
         print(*args, **kwargs, flush=True)
 
 
+def atomic_json(path: str, obj) -> None:
+    """Write obj as JSON under a temporary name, then rename: readers never see half a file."""
+    import json
+
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2, default=str)
+    os.replace(tmp, path)
+
+
+def write_json0(path: str, obj) -> None:
+    """A run summary, written once: by global rank 0 under torchrun (ranks' summaries differ)."""
+    if int(os.environ.get("RANK", 0)) == 0:
+        atomic_json(path, obj)
+
+
 def launch_torchrun(module: str, argv: list[str], gpus: str) -> int:
     """Re-launch `python -m module argv` under torchrun on the given GPU ids (the --gpus convenience)."""
     import subprocess

@@ -33,7 +33,7 @@ import torch
 import dflash_cache
 from dflash import progress
 from dflash.config import ConfigError, check
-from dflash.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
 from dflash.errors import DflashError
 
 from .model import DFlashDrafter, DrafterConfig, load_drafter, save_drafter
@@ -218,13 +218,6 @@ def step_flops(c: DrafterConfig, rows: int, seq_len: int, anchors: int) -> float
 # --------------------------------------------------------------------------------------------
 
 
-def _atomic_json(path: str, obj: Any) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    os.replace(tmp, path)
-
-
 def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> None:
     """RUN/run.json must describe the same run (else error, or wipe with --overwrite)."""
     path = os.path.join(cfg.out, "run.json")
@@ -243,7 +236,7 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> None:
     elif cfg.overwrite and os.path.isdir(cfg.out):
         shutil.rmtree(cfg.out)
     os.makedirs(os.path.join(cfg.out, "checkpoints"), exist_ok=True)
-    _atomic_json(path, {"config": resolved, "dflash": "train"})
+    atomic_json(path, {"config": resolved, "dflash": "train"})
 
 
 def latest_checkpoint(out: str) -> str | None:
@@ -275,7 +268,7 @@ def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.
     shutil.rmtree(tmp, ignore_errors=True)
     save_drafter(model, tmp, dtype=next(model.parameters()).dtype)
     torch.save(opt.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    _atomic_json(os.path.join(tmp, "trainer.json"), state)
+    atomic_json(os.path.join(tmp, "trainer.json"), state)
     final = os.path.join(ck, name)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -657,7 +650,7 @@ class Trainer:
                "final": os.path.join(cfg.out, "final"), "params": self.nparams, "compiled": self.compiled,
                "compile_check": self.check}
         if dist.is_main:
-            _atomic_json(os.path.join(cfg.out, "summary.json"), out)
+            atomic_json(os.path.join(cfg.out, "summary.json"), out)
         return out
 
     def save_final(self) -> str:
