@@ -440,6 +440,22 @@ class Trainer:
         res.update(passed=ok, seconds=time.perf_counter() - t0)
         return res
 
+    def verify_compiled(self, x: dict, scores: torch.Tensor) -> None:
+        """Run check_compiled once, say what it found, and fall back to the eager step if it failed."""
+        c = self.check = self.check_compiled(x, scores)
+        if c["ran"]:
+            print0(f"train: compiled step vs eager on the first batch: loss {c['loss_compiled']:.5f} vs "
+                   f"{c['loss_eager']:.5f}, gradient error {c['grad_rel_err']:.3g} (lowest cosine "
+                   f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): {'agree' if c['passed'] else 'DISAGREE'}")
+        else:
+            print0(f"train: note: compiled-step check skipped: {c['why']}")
+        if not c["passed"]:
+            print0("train: WARNING: the compiled step disagrees with the eager one at this shape; continuing with the "
+                   "eager step (slower, correct). --no-compile-check skips the check; --compile off skips compilation.")
+            self.compiled = False
+            self.fwd = self.model.forward_train
+            self.release_compiled()
+
     def release_compiled(self) -> None:
         """Drop the compiled graphs and their CUDA-graph memory pool (the eager step needs that memory)."""
         import torch._dynamo
@@ -528,22 +544,7 @@ class Trainer:
                         prev = (ev, batch)
                     scores = self.anchor_scores(micro, x["input_ids"].shape[0], T)
                     if self.compiled and cfg.compile_check and self.check is None:
-                        self.check = self.check_compiled(x, scores)
-                        c = self.check
-                        if c["ran"]:
-                            print0(f"train: compiled step vs eager on the first batch: loss {c['loss_compiled']:.5f} vs "
-                                   f"{c['loss_eager']:.5f}, gradient error {c['grad_rel_err']:.3g} (lowest cosine "
-                                   f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): "
-                                   f"{'agree' if c['passed'] else 'DISAGREE'}")
-                        else:
-                            print0(f"train: note: compiled-step check skipped: {c['why']}")
-                        if not c["passed"]:
-                            print0("train: WARNING: the compiled step disagrees with the eager one at this shape; "
-                                   "continuing with the eager step (slower, correct). --no-compile-check skips the "
-                                   "check; --compile off skips compilation.")
-                            self.compiled = False
-                            self.fwd = self.model.forward_train
-                            self.release_compiled()
+                        self.verify_compiled(x, scores)
                     if self.compiled and self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
                     loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
