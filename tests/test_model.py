@@ -14,6 +14,7 @@ from train.model import (
     document_positions,
     load_drafter,
     make_blocks,
+    make_blocks_opaque,
     save_drafter,
     slot_weights,
 )
@@ -104,6 +105,24 @@ def test_anchor_sampling_only_valid_and_padded_when_scarce():
     assert freq.min() > 0.5 * 8 / n_valid and freq.max() < 1.7 * 8 / n_valid  # roughly uniform
     b = make_blocks(ids, lm, doc, torch.rand(2, T), T, 4, 511)  # more anchors than valid positions
     assert int(b.anchor_valid[0].sum()) == n_valid
+
+
+def test_opaque_make_blocks_equals_make_blocks_eager_and_compiled():
+    """The training step builds its blocks through one opaque op (inductor fused make_blocks wrongly into the
+    8B-shaped step on the GPU): same fields, dtypes and values as make_blocks, eagerly, compiled, and on the
+    op's own checks (schema, fake tensors, no aliasing)."""
+    from dataclasses import fields
+
+    from train.model import Blocks
+
+    hidden, ids, lm, doc, scores = batch()
+    args = (ids, lm, doc, scores, 12, 4, 511)
+    ref = make_blocks(*args)
+    for got in (make_blocks_opaque(*args), torch.compile(make_blocks_opaque, fullgraph=True, dynamic=False)(*args)):
+        for f in fields(Blocks):
+            a, b = getattr(got, f.name), getattr(ref, f.name)
+            assert a.dtype == b.dtype and torch.equal(a, b), f.name
+    torch.library.opcheck(torch.ops.dflash.make_blocks.default, args)
 
 
 def test_dense_mask_structure():

@@ -367,6 +367,35 @@ def make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, 
     return Blocks(anchors, anchor_valid, tokens, positions, labels, label_valid, ctx_pos, anchor_doc)
 
 
+@torch.library.custom_op("dflash::make_blocks", mutates_args=(), schema=(
+    "(Tensor input_ids, Tensor loss_mask, Tensor doc_ids, Tensor anchor_scores, SymInt num_anchors, "
+    "SymInt block_size, SymInt mask_token_id) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _make_blocks_op(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id):
+    b = make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id)
+    return tuple(getattr(b, f.name).clone() for f in fields(Blocks))  # own storage: no output may alias
+
+
+@_make_blocks_op.register_fake
+def _(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id):
+    R, T = input_ids.shape
+    N, B = num_anchors, block_size
+    e = input_ids.new_empty
+    i64, b8 = torch.int64, torch.bool
+    return (e(R, N, dtype=i64), e(R, N, dtype=b8), e(R, N, B, dtype=input_ids.dtype), e(R, N, B, dtype=i64),
+            e(R, N, B, dtype=input_ids.dtype), e(R, N, B, dtype=b8), e(R, T, dtype=i64), e(R, N, dtype=doc_ids.dtype))
+
+
+def make_blocks_opaque(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
+                       mask_token_id: int) -> Blocks:
+    """make_blocks as one opaque op inside torch.compile: its aten kernels run as they do eagerly (and are
+    captured in the step's CUDA graph); inductor neither regenerates nor fuses them. With make_blocks traced
+    into the step's graph, the compiled Qwen3-8B-shaped step (4 x 3072 tokens, 512 anchors; torch 2.11, H200)
+    computed wrong gradients, though make_blocks compiled on its own is exact (bench/blocks_check.py); built
+    through this op the step matches eager (BENCHMARKS.md, "Compiled step")."""
+    return Blocks(*_make_blocks_op(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size,
+                                   mask_token_id))
+
+
 def dense_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
     """bool [R, 1, N*B, T + N*B]: context strictly before the own anchor in the own document; own block."""
     R, T = doc_ids.shape
@@ -467,25 +496,32 @@ class DFlashDrafter(nn.Module):
     # -- training: many blocks per packed row ----------------------------------------------------
     def forward_train(self, hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int,
                       gamma: float = 7.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        cfg = self.cfg
-        R, T = input_ids.shape
-        B = cfg.block_size
-        input_ids = input_ids.long()
-        doc_ids = doc_ids.long()
-        blocks = make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, B, cfg.mask_token_id)
-        N = blocks.anchors.shape[1]
-        ctx = self.fuse_context(hidden)  # [R, T, H]
-        x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
-        dtype = x.dtype
-        ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype)
-        q_cos, q_sin = rope_cos_sin(self.inv_freq, blocks.positions.view(R, N * B), dtype)
+        blocks, masks = self.prepare(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors)
+        return self.forward_blocks(hidden, blocks, masks, gamma)
+
+    def prepare(self, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int):
+        """A batch's blocks (anchors, block tokens, labels, positions) and attention masks, one per window."""
+        input_ids, doc_ids = input_ids.long(), doc_ids.long()
+        blocks = make_blocks_opaque(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, self.cfg.block_size,
+                                    self.cfg.mask_token_id)
         make = flex_block_mask if self.attn_impl == "flex" else dense_block_mask
         masks = {}
         for layer in self.layers:
             w = layer.self_attn.window
             if w not in masks:
                 masks[w] = make(blocks, doc_ids, w)
-            x = self._layer(layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, masks[w])
+        return blocks, masks
+
+    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0):
+        """Loss and metrics of the drafter over prepared blocks (see prepare) and the context's hidden states."""
+        R, N, B = blocks.tokens.shape
+        ctx = self.fuse_context(hidden)  # [R, T, H]
+        x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
+        dtype = x.dtype
+        ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype)
+        q_cos, q_sin = rope_cos_sin(self.inv_freq, blocks.positions.view(R, N * B), dtype)
+        for layer in self.layers:
+            x = self._layer(layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, masks[layer.self_attn.window])
         h = self.norm(x.view(R, N, B, -1)[:, :, 1:])  # slots 1..B-1: [R, N, B-1, H]
         return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
 
