@@ -12,6 +12,10 @@ Two parts, on the same random drafter and synthetic batches (bench/train.py's ro
    Reports the loss and, per parameter tensor, the gradient's relative error and cosine against the
    float32 reference: the compiled step is right when its errors are of the size of eager bf16's.
    If they are not, `mode="default"` (the same graph without CUDA graphs) is tried as well.
+   --variant compiles something other than the whole forward_train, to locate a fault:
+     mask_outside  blocks and block masks built eagerly (model.prepare), the rest in one graph (forward_blocks)
+     attn_outside  as mask_outside, with attention called outside the graph (a graph break per layer)
+   --inductor sets torch._inductor.config flags (e.g. allow_buffer_reuse=False) for the compiled step.
 2. Loss trajectories of the trainer's update (clip 1.0, fused AdamW, tensor learning rate, cosine
    schedule) for each --warmups value: eager, compiled, and eager started from weights moved by one
    bf16 ulp in random places. When the compiled curve departs from the eager one no more than that
@@ -134,12 +138,46 @@ def trajectory(fn, model, init, data, steps: int, warmup_ratio: float, lr: float
     return losses, norms
 
 
+def compiled_step(model, variant: str, mode):
+    """The step function compile_check compares with eager (see --variant)."""
+    import train.model as M
+
+    if variant == "full":
+        return torch.compile(model.forward_train, mode=mode, dynamic=False, fullgraph=True)
+    if variant == "attn_outside":
+        M.attend = torch.compiler.disable(M.attend)  # a no-op when eager
+    main_fn = torch.compile(model.forward_blocks, mode=mode, dynamic=False, fullgraph=variant == "mask_outside")
+
+    def step(hidden, input_ids, loss_mask, doc_ids, scores, num_anchors, gamma):
+        blocks, masks = model.prepare(input_ids, loss_mask, doc_ids, scores, num_anchors)
+        return main_fn(hidden, blocks, masks, gamma)
+
+    return step
+
+
+def parse_flags(text: str) -> dict:
+    out = {}
+    for kv in filter(None, text.split(",")):
+        k, v = kv.split("=", 1)
+        out[k.strip()] = {"True": True, "False": False}.get(v.strip(), v.strip())
+        if isinstance(out[k.strip()], str):
+            try:
+                out[k.strip()] = int(v)
+            except ValueError:
+                pass
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(ALL_SHAPES))
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--attn", default=None, help="flex (default on GPU) or sdpa")
-    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--steps", type=int, default=40, help="trajectory steps (0: the one-step comparison only)")
+    ap.add_argument("--variant", default="full", choices=("full", "mask_outside", "attn_outside"))
+    ap.add_argument("--ref-attn", default=None, help="attention of the eager references (default: --attn)")
+    ap.add_argument("--inductor", default="", help="torch._inductor.config flags for the compiled step, k=v,...")
+    ap.add_argument("--no-retry", action="store_true", help="no mode='default' retry when the step is wrong")
     ap.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
     ap.add_argument("--warmups", default="0.04,0.25", help="warm-up ratios of the trajectories (0.04: the default)")
     ap.add_argument("--lr", type=float, default=6e-4)
@@ -152,7 +190,15 @@ def main():
     shape = ALL_SHAPES[a.shape]
     _, T, rows, anchors, block, layers = shape
     gamma = 7.0
-    res = {"hardware": hardware(), "torch": torch.__version__, "shape": a.shape, "attn": attn, "device": dev}
+    ref_attn = a.ref_attn or attn
+    flags = parse_flags(a.inductor)
+    if flags:
+        import torch._inductor.config as ic
+
+        for k, v in flags.items():
+            setattr(ic, k, v)
+    res = {"hardware": hardware(), "torch": torch.__version__, "shape": a.shape, "attn": attn, "device": dev,
+           "variant": a.variant, "ref_attn": ref_attn, "inductor": flags}
 
     def save():
         if a.json:
@@ -166,15 +212,23 @@ def main():
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     data = batches(shape, dcfg, a.batches, dev)
     init = [p.detach().clone() for p in model.parameters() if p.requires_grad]
-    eager = model.forward_train
-    compiled = torch.compile(model.forward_train, mode="reduce-overhead" if cuda else None, dynamic=False,
-                             fullgraph=True)
+    def eager(*args):
+        saved = model.attn_impl
+        model.attn_impl = ref_attn
+        try:
+            return model.forward_train(*args)
+        finally:
+            model.attn_impl = saved
+
+    compiled = compiled_step(model, a.variant, "reduce-overhead" if cuda else None)
 
     # 1. one step, three ways
     one = {}
     t0 = time.perf_counter()
     l_bf, g_bf = fwd_bwd(eager, model, data[0], anchors, gamma, False)
     one["eager_bf16"] = {"loss": l_bf, "s": time.perf_counter() - t0}
+    if cuda:
+        torch.cuda.empty_cache()  # its activations' memory back, for the compiled step (or another process)
     log("eager bf16", one["eager_bf16"])
     t0 = time.perf_counter()
     l_c1, g_c1 = fwd_bwd(compiled, model, data[0], anchors, gamma, cuda)  # compiles (and records, on CUDA)
@@ -185,6 +239,7 @@ def main():
     log("compiled bf16", one["compiled_bf16"])
     if not a.skip_fp32:
         m32 = copy.deepcopy(model).float()
+        m32.attn_impl = ref_attn
         l_32, g_32 = fwd_bwd(m32.forward_train, m32, data[0], anchors, gamma, False)
         del m32
         one["eager_fp32"] = {"loss": l_32}
@@ -198,21 +253,26 @@ def main():
     one["compiled_vs_eager_bf16"] = compare(g_c, g_bf, names)
     for k in ("eager_bf16_vs_ref", "compiled_vs_ref", "compiled_first_call_vs_ref", "compiled_vs_eager_bf16"):
         log(k, json.dumps({x: v for x, v in one[k].items() if x != "per_param"}))
+    one["verdict"] = {"loss_rel_err": abs(l_c - l_bf) / abs(l_bf),
+                      "grad_rel_err_vs_eager_bf16": one["compiled_vs_eager_bf16"]["global_rel_err"],
+                      "eager_bf16_vs_ref": one["eager_bf16_vs_ref"]["global_rel_err"]}
+    log("verdict", json.dumps(one["verdict"]))
+    save()
     bad = (ref_name == "eager_fp32" and one["compiled_vs_ref"]["global_rel_err"]
            > 3 * one["eager_bf16_vs_ref"]["global_rel_err"] + 1e-3)
-    if bad and cuda:  # the same graph without CUDA graphs: is it the graphs or the generated code?
+    if bad and cuda and not a.no_retry:  # the same graph without CUDA graphs: is it the graphs or the generated code?
         plain = torch.compile(model.forward_train, mode="default", dynamic=False, fullgraph=True)
         l_d, g_d = fwd_bwd(plain, model, data[0], anchors, gamma, False)
         one["compiled_default_mode"] = {"loss": l_d, **compare(g_d, ref, names)}
         log("compiled mode=default", json.dumps({x: v for x, v in one["compiled_default_mode"].items() if x != "per_param"}))
         torch._dynamo.reset()
-        compiled = torch.compile(model.forward_train, mode="reduce-overhead", dynamic=False, fullgraph=True)
+        compiled = compiled_step(model, a.variant, "reduce-overhead")
     res["one_step"] = one
     save()
 
     # 2. trajectories
     res["trajectories"] = {}
-    for w in [float(x) for x in a.warmups.split(",")]:
+    for w in [float(x) for x in a.warmups.split(",")] if a.steps > 0 else []:
         tr = {}
         for name, fn, graphs, nudge in (("eager", eager, False, False), ("compiled", compiled, cuda, False),
                                         ("eager_1ulp", eager, False, True)):

@@ -111,6 +111,7 @@ def main():
                          "data_wait": float(np.mean([h["data_wait_frac"] for h in steady])),
                          "mfu": float(np.median([h["mfu"] for h in steady])),
                          "recompiles": summ.get("recompiles_after_warmup"), "wall_s": wall,
+                         "compiled": summ.get("compiled"), "compile_check": summ.get("compile_check"),
                          "loss_last": hist[-1]["loss"]})
             res["train"] = [r for r in rows if r["stage"] == "train"]
             save()

@@ -95,6 +95,7 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
         "first_window_s": res["history"][0]["step_ms"] * min(log_every, steps) / 1000,  # incl. compilation
         "loss_first": res["history"][0]["loss"], "loss_last": res["history"][-1]["loss"],
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
+        "compiled_kept": tr.compiled, "compile_check": tr.check,  # a failed check trains (and times) eagerly
     }
     del tr
     gc.collect()
