@@ -392,8 +392,9 @@ class Trainer:
     def check_compiled(self, x: dict, scores: torch.Tensor) -> dict[str, Any]:
         """The compiled step against the eager one (attention through dense SDPA: no kernel shared with
         flex_attention, nothing compiled) on the same micro-batch: loss and gradients. On disagreement the
-        run continues eagerly -- at the Qwen3-8B shape, torch 2.11's compiled graph was found to give
-        wrong gradients (BENCHMARKS.md, "Compiled step"); a run must not learn from those silently."""
+        run continues eagerly. A guard, not a formality: at the Qwen3-8B shape torch 2.11 once compiled this
+        step into wrong gradients (fixed by model.make_blocks_opaque; BENCHMARKS.md, "Compiled step"), and a
+        run must not learn from such a step silently."""
         cfg, model = self.cfg, self.model
         args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma)
 
@@ -613,7 +614,8 @@ class Trainer:
                         "block_tokens_per_s": rows * cfg.num_anchors * self.dcfg.block_size / dt,
                         "step_ms": 1000 * dt / steps_window,
                         "data_wait_frac": wait_window / dt,
-                        "mfu": (self.flops * dist.world * steps_window / dt / H200_PEAK_BF16) if self.cuda else None,
+                        # per GPU: this rank's FLOPs over one chip's peak (every rank does the same work)
+                        "mfu": (self.flops * steps_window / dt / H200_PEAK_BF16) if self.cuda else None,
                         "epoch": self.step * cfg.grad_accum / self.spe,
                     }
                     history.append(rec)
