@@ -92,17 +92,12 @@ def fwd_bwd(fn, model, batch, anchors: int, gamma: float, cuda_graphs: bool):
 
 
 def compare(grads, ref, names):
-    rows, num, den = [], 0.0, 0.0
-    for n, g, r in zip(names, grads, ref):
-        d = float((g - r).norm())
-        rn = float(r.norm())
-        cos = float((g * r).sum() / (g.norm() * r.norm()).clamp(min=1e-30))
-        rows.append({"param": n, "rel_err": d / max(rn, 1e-30), "cos": cos})
-        num += d * d
-        den += rn * rn
-    worst = max(rows, key=lambda x: x["rel_err"])
-    return {"global_rel_err": math.sqrt(num / max(den, 1e-30)), "min_cos": min(r["cos"] for r in rows),
-            "worst": worst, "grad_norm": math.sqrt(sum(float(g.norm()) ** 2 for g in grads)), "per_param": rows}
+    from train.trainer import grad_agreement
+
+    out = grad_agreement(grads, ref, names)
+    out["worst"] = max(out["per_param"], key=lambda x: x["rel_err"])
+    out["grad_norm"] = math.sqrt(sum(float(g.norm()) ** 2 for g in grads))
+    return out
 
 
 def trajectory(fn, model, init, data, steps: int, warmup_ratio: float, lr: float, anchors: int, gamma: float,
@@ -156,15 +151,16 @@ def compiled_step(model, variant: str, mode):
 
 
 def parse_flags(text: str) -> dict:
+    """'a=False,b=3,c=x' -> {'a': False, 'b': 3, 'c': 'x'} (Python literals where they parse, else strings)."""
+    import ast
+
     out = {}
     for kv in filter(None, text.split(",")):
-        k, v = kv.split("=", 1)
-        out[k.strip()] = {"True": True, "False": False}.get(v.strip(), v.strip())
-        if isinstance(out[k.strip()], str):
-            try:
-                out[k.strip()] = int(v)
-            except ValueError:
-                pass
+        k, v = (x.strip() for x in kv.split("=", 1))
+        try:
+            out[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            out[k] = v
     return out
 
 

@@ -424,16 +424,13 @@ class Trainer:
             model.attn_impl = saved
         ok = True
         if res["ran"]:
-            num = sum(float((a.float() - b.float()).pow(2).sum()) for a, b in zip(g_c, g_e))
-            den = sum(float(b.float().pow(2).sum()) for b in g_e)
-            grad_err = math.sqrt(num / max(den, 1e-30))
-            cos = [float(_cosine(a, b)) for a, b in zip(g_c, g_e)]
             names = [n for n, p in model.named_parameters() if p.requires_grad]
-            worst = min(range(len(cos)), key=cos.__getitem__)
+            agree = grad_agreement(g_c, g_e, names)
+            grad_err = agree["global_rel_err"]
             loss_err = abs(loss_c - loss_e) / max(abs(loss_e), 1e-6)
             ok = math.isfinite(loss_c) and loss_err <= CHECK_LOSS_RTOL and grad_err <= CHECK_GRAD_RTOL
             res.update(loss_compiled=loss_c, loss_eager=loss_e, loss_rel_err=loss_err, grad_rel_err=grad_err,
-                       min_grad_cos=cos[worst], min_grad_cos_param=names[worst])
+                       min_grad_cos=agree["min_cos"], min_grad_cos_param=agree["min_cos_param"])
         if self.dist.distributed:  # every rank goes on the same way (and each takes part, checked or not)
             flag = torch.tensor([1.0 if ok else 0.0], device=self.dev)
             torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
@@ -666,9 +663,19 @@ class Trainer:
         return final
 
 
-def _cosine(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    a, b = a.float().reshape(-1), b.float().reshape(-1)
-    return (a @ b) / (a.norm() * b.norm()).clamp(min=1e-30)
+def grad_agreement(grads: list[torch.Tensor], ref: list[torch.Tensor], names: list[str]) -> dict[str, Any]:
+    """How far gradients are from reference ones: relative L2 error over all tensors together, and per tensor
+    its relative error and cosine (the lowest cosine and whose it is, too)."""
+    rows, num, den = [], 0.0, 0.0
+    for n, g, r in zip(names, grads, ref):
+        g, r = g.float().reshape(-1), r.float().reshape(-1)
+        d, rn = float((g - r).norm()), float(r.norm())
+        cos = float((g @ r) / (g.norm() * r.norm()).clamp(min=1e-30))
+        rows.append({"param": n, "rel_err": d / max(rn, 1e-30), "cos": cos})
+        num, den = num + d * d, den + rn * rn
+    low = min(rows, key=lambda x: x["cos"])
+    return {"global_rel_err": math.sqrt(num / max(den, 1e-30)), "min_cos": low["cos"], "min_cos_param": low["param"],
+            "per_param": rows}
 
 
 def _compile_count() -> int:
