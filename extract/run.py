@@ -1,6 +1,7 @@
 """`dflash extract`: chat data -> packed rows of T tokens -> frozen target -> committed cache shards.
 
-One process per GPU (torchrun); shard s belongs to global rank s % world, so `--nnodes` spreads a
+One process per GPU (torchrun); the shards are split over the global ranks by real tokens (greedy
+longest-processing-time, extract/assign.py: the same partition on every rank), so `--nnodes` spreads a
 job over machines that share the cache's filesystem or object store. Every rank tokenises and
 packs the whole dataset identically (deterministic), then runs only its shards.
 
@@ -28,6 +29,7 @@ from dflash.config import check
 from dflash.dist import barrier, compute_init, print0, resolve_dtype
 from dflash_cache import CacheSpec, CacheWriter
 
+from .assign import assign_shards, shard_real_tokens, writer_threads_per_rank
 from .data import (
     ChatTokenizer,
     data_fingerprint,
@@ -62,7 +64,7 @@ class ExtractConfig:
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     attn: str = "auto"  # flex (GPU) or sdpa
     codec: str = "zstd"  # measured: ~1.27x on bf16 hidden states at >5 GB/s on 16 cores; lz4 only ~1.06x
-    writer_threads: int = 8
+    writer_threads: int | None = None  # None: this process's cores / extraction ranks on the node
     host_buffers: int = 3
     chat_template: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
@@ -82,7 +84,7 @@ class ExtractConfig:
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
         check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
-        check(self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
+        check(self.writer_threads is None or self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
         check(self.host_buffers >= 1, "host_buffers", f"must be >= 1, got {self.host_buffers}")
 
 
@@ -141,13 +143,14 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     }
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
                      rows_per_shard=rows_per_shard, codec=cfg.codec, info=info)
+    threads = cfg.writer_threads or writer_threads_per_rank()
     if dist.is_main:
-        writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=cfg.writer_threads,
-                             writer_id=f"rank{dist.rank}")
+        writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=threads, writer_id=f"rank{dist.rank}")
     barrier()
     if not dist.is_main:
-        writer = CacheWriter(cfg.out, spec, threads=cfg.writer_threads, writer_id=f"rank{dist.rank}")
-    mine = [s for s in range(spec.num_shards) if s % dist.world == dist.rank]
+        writer = CacheWriter(cfg.out, spec, threads=threads, writer_id=f"rank{dist.rank}")
+    shard_tokens = shard_real_tokens(plan, lengths, rows_per_shard)
+    mine = assign_shards(shard_tokens, dist.world)[dist.rank]
     todo = [s for s in mine if s not in writer.committed]
     print0(f"extract: {data.summary()}")
     print0(f"extract: {len(plan)} rows of {cfg.seq_len} tokens ({100 * pstats.padding_fraction:.2f}% padding), "
@@ -179,6 +182,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         "rows": len(plan), "shards": spec.num_shards, "layer_ids": layer_ids, "seq_len": cfg.seq_len,
         "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed, "load_s": load_s,
         "tokens_this_rank": done_tokens, "tokens_per_s_this_rank": done_tokens / elapsed if elapsed > 0 else 0.0,
+        "shards_this_rank": len(mine), "assigned_tokens_this_rank": int(shard_tokens[mine].sum()) if mine else 0,
+        "writer_threads": threads,
         "bytes_written_this_rank": writer.bytes_written, "raw_bytes_this_rank": writer.raw_bytes,
         "ranks": dist.world, "tokens_all_ranks": all_tokens, "slowest_rank_s": slowest,
         "tokens_per_s_all_ranks": all_tokens / slowest if slowest > 0 else 0.0,

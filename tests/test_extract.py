@@ -10,7 +10,7 @@ CPU only, real tiny HF models (tests/tiny.py), real zarr caches and real subproc
   states equal a direct forward; counts of truncated/skipped conversations are printed and stored;
 - SIGKILL mid-run + rerun == an uninterrupted run, bit for bit; a rerun of a complete cache does no
   work; a changed setting is an error naming the field; --overwrite replaces;
-- torchrun with 2 CPU (gloo) processes writes the same cache bit for bit, shards split by rank;
+- torchrun with 2 CPU (gloo) processes writes the same cache bit for bit, shards split over the ranks by real tokens;
 - bad inputs give exit code 2 and one `error:` line naming the problem;
 - the real SmolLM2-135M-Instruct GGUF (if installed) loads, answers sensibly, and converts.
 """
@@ -33,6 +33,7 @@ import torch
 
 import dflash_cache
 from dflash_cache.format import ARRAYS, shard_key
+from extract.assign import assign_shards
 from extract.data import ChatTokenizer, data_fingerprint, load_chat_dataset, tokenize_dataset
 from extract.pack import materialize, pack
 from extract.target import (
@@ -535,7 +536,9 @@ def test_torchrun_two_processes_equal_single_process(work, targets, data_path, r
     assert_same_cache(ref_cache["path"], out)
     cache = dflash_cache.open(str(out))
     writers = {s: rec["writer"] for s, rec in cache.commits.items()}
-    assert writers == {s: f"rank{s % 2}" for s in range(cache.spec.num_shards)}
+    shard_tokens = [cache.commits[s]["real_tokens"] for s in range(cache.spec.num_shards)]
+    parts = assign_shards(shard_tokens, 2)  # balanced by real tokens, the partition every rank computed
+    assert writers == {s: f"rank{r}" for r in range(2) for s in parts[r]} and all(parts)
     assert cache.metadata["info"]["run"]["world"] == 2
     assert dflash_cache.verify(str(out)).ok
 
