@@ -156,7 +156,7 @@ def cache_verify(path, threads):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.  [default: flex on GPU, sdpa on CPU]")
 @click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: zstd]")
-@click.option("--writer-threads", type=int, help="Threads that compress and write shards.  [default: 8]")
+@click.option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.  [default: the cores / ranks on the node]")
 @click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
 @click.option("--overwrite", is_flag=True, default=None, help="Replace an existing cache written with other settings.")
@@ -214,7 +214,9 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @click.option("--compile-check/--no-compile-check", default=None,
               help="Before training, compare the compiled step's loss and gradients on the first batch with the eager "
                    "step's (attention through SDPA); if they disagree, train eagerly and say so.  [default: on]")
-@click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Attention.  [default: flex on GPU, sdpa on CPU]")
+@click.option("--attn", type=click.Choice(["auto", "flex", "split", "sdpa"]),
+              help="Attention: flex (GPU), split (context and own block apart, exact), sdpa (dense mask, the reference).  "
+                   "[default: flex on GPU, split on CPU]")
 @click.option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--log-every", type=int, help="Steps between metric logs (the only host syncs).  [default: 10]")
 @click.option("--save-every", type=int, help="Steps between checkpoints.  [default: 500]")

@@ -158,7 +158,7 @@ def test_cli_run_writes_run_metrics_checkpoints_summary_and_servable_final(env, 
     tok = make_tiny_tokenizer()
     assert rj["lr"] == lr and rj["world"] == 1 and rj["total_steps"] == steps and rj["keep_checkpoints"] == 2
     assert rj["mask_token_id"] == len(tok)  # the tiny target's table has 16 rows beyond the tokenizer
-    assert rj["cache"] == str(env["cache"]) and rj["param_dtype"] == "float32" and rj["attn"] == "sdpa"
+    assert rj["cache"] == str(env["cache"]) and rj["param_dtype"] == "float32" and rj["attn"] == "split"
     assert rj["drafter"]["target_layer_ids"] == env["layer_ids"]
 
     # metrics.jsonl: one record per step, finite, lr on the schedule, loss going down

@@ -43,6 +43,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from train.attention import split_block_attention, split_mask
+
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
@@ -504,7 +506,7 @@ class DFlashDrafter(nn.Module):
         input_ids, doc_ids = input_ids.long(), doc_ids.long()
         blocks = make_blocks_opaque(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, self.cfg.block_size,
                                     self.cfg.mask_token_id)
-        make = flex_block_mask if self.attn_impl == "flex" else dense_block_mask
+        make = {"flex": flex_block_mask, "split": split_mask}.get(self.attn_impl, dense_block_mask)
         masks = {}
         for layer in self.layers:
             w = layer.self_attn.window
@@ -531,7 +533,10 @@ class DFlashDrafter(nn.Module):
         k_ctx, v_ctx = att.kv(ctx, ctx_cos, ctx_sin)
         k_blk, v_blk = att.kv(h, q_cos, q_sin)
         q = att.q(h, q_cos, q_sin)
-        o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, self.attn_impl)
+        if self.attn_impl == "split":  # context and own block apart, merged exactly (train/attention.py)
+            o = split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
+        else:
+            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, self.attn_impl)
         x = x + att.out(o)
         return x + layer.mlp(layer.post_attention_layernorm(x))
 

@@ -83,7 +83,7 @@ class TrainConfig:
     # execution
     device: str = "auto"
     param_dtype: str = "auto"  # bfloat16 on GPU (as the peers), float32 on CPU
-    attn: str = "auto"  # flex on GPU, sdpa on CPU
+    attn: str = "auto"  # flex on GPU, split on CPU (train/attention.py); sdpa = the dense-mask reference
     compile: str = "auto"  # on (GPU), off (CPU), or force either
     compile_check: bool = True  # check the compiled step against an eager reference on the first batch
     loader_threads: int = 4
@@ -116,7 +116,7 @@ class TrainConfig:
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
         check(self.grad_clip > 0, "grad_clip", "must be > 0")
         check(self.param_dtype in ("auto", "bfloat16", "float32"), "param_dtype", "must be auto, bfloat16 or float32")
-        check(self.attn in ("auto", "flex", "sdpa"), "attn", "must be auto, flex or sdpa")
+        check(self.attn in ("auto", "flex", "split", "sdpa"), "attn", "must be auto, flex, split or sdpa")
         check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
         check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
@@ -318,7 +318,7 @@ class Trainer:
         dev = self.dev = self.dist.device
         self.cuda = dev.type == "cuda"
         self.param_dtype = resolve_dtype(cfg.param_dtype, dev)
-        self.attn = cfg.attn if cfg.attn != "auto" else ("flex" if self.cuda else "sdpa")
+        self.attn = cfg.attn if cfg.attn != "auto" else ("flex" if self.cuda else "split")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.cuda)
 
         from extract.target import load_config, load_tokenizer, target_info, text_config
