@@ -18,9 +18,11 @@ Here the two parts are computed apart and merged exactly in one softmax:
                 on it), out = (e_ctx @ v_ctx + e_blk @ v_blk) / (sum e_ctx + sum e_blk), e = exp(s - m).
                 Every query sees at least its own block, so the denominator is >= 1.
 Cost: the work grows with N * B * (the context each block sees + B), not with N*B * (T + N*B); so does the
-memory autograd keeps (each chunk's exponentiated scores: ~0.1 GB per row and layer-stack at the training
-defaults, against ~2 GB for the dense path). CHECKPOINT = True recomputes them in the backward instead
-(flash attention's trade), measured ~1.6x slower on CPU, so it is off.
+memory the backward keeps (each chunk's probabilities). Each chunk is one autograd.Function with a hand-written
+backward (flash attention's formulas on the saved probabilities: about half the ops of autograd's, which
+matters on CPU where the chunks are small). CHECKPOINT = True recomputes the probabilities in the backward
+instead (less memory, ~1.6x the time). Rows and chunks are taken apart with unbind/split, never sliced out
+of the whole tensors (a slice's backward writes a zero tensor of the whole input per chunk).
 
 Under torch.compile (the trainer's compiled step, or CPU compile tests), the key ranges would be data-
 dependent shapes, so one chunk over the whole context is traced instead (same formula, static shapes).
@@ -38,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 CHUNK_BLOCKS = 16  # blocks per chunk: small enough that a chunk's key range is about its own blocks' context
 CHUNK_BYTES = 64 << 20  # and at most ~64 MiB of float32 scores per chunk (context part)
+MANUAL_BACKWARD = True  # _ChunkAttention (eager); False: autograd through _chunk_attention
 CHECKPOINT = False  # recompute each chunk's scores in the backward (less memory, ~1.6x the time)
 
 
@@ -80,6 +83,15 @@ def _key_ranges(mask: SplitMask, chunk: int) -> list[list[tuple[int, int]]]:
     return out
 
 
+def _visible(anchors, adoc, doc, qpos, cpos, lo: int, window):
+    """bool [R, n, 1 or B, kr]: which context keys lo..lo+kr-1 the chunk's queries see."""
+    j = torch.arange(lo, lo + doc.shape[1], device=doc.device)
+    see = ((j[None, None, :] < anchors[..., None]) & (doc[:, None, :] == adoc[..., None]))[:, :, None, :]
+    if window is not None:
+        see = see & (qpos[..., None] - cpos[:, None, None, :] < window)
+    return see
+
+
 def _chunk_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, adoc, doc, qpos, cpos, lo: int, window):
     """One chunk: q [R, nkv, rep, n, B, d] (already scaled by d**-0.5); k_ctx/v_ctx [R, nkv, kr, d] (keys lo..);
     k_blk/v_blk [R, nkv, n, B, d]; anchors/adoc [R, n]; doc/cpos [R, kr]; qpos [R, n, B]."""
@@ -98,6 +110,46 @@ def _chunk_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, adoc, doc, qpos, cp
     num = (e_ctx.view(R, nkv, rep * n * B, kr) @ v_ctx).view(R, nkv, rep, n, B, d) + e_blk @ v_blk[:, :, None]
     den = e_ctx.sum(-1, keepdim=True) + e_blk.sum(-1, keepdim=True)
     return num / den
+
+
+class _ChunkAttention(torch.autograd.Function):
+    """_chunk_attention with a hand-written backward (flash attention's, on the saved probabilities): half the
+    ops of autograd's and only e_ctx, e_blk, den and out kept per chunk."""
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, see):
+        R, nkv, rep, n, B, d = q.shape
+        kr = k_ctx.shape[2]
+        s_ctx = (q.reshape(R, nkv, rep * n * B, d) @ k_ctx.transpose(-1, -2)).view(R, nkv, rep, n, B, kr)
+        s_ctx.masked_fill_(~see[:, None, None], float("-inf"))
+        s_blk = q @ k_blk[:, :, None].transpose(-1, -2)  # [R, nkv, rep, n, B, B]
+        m = torch.maximum(s_ctx.amax(-1, keepdim=True), s_blk.amax(-1, keepdim=True))
+        e_ctx, e_blk = s_ctx.sub_(m).exp_(), s_blk.sub_(m).exp_()
+        den = e_ctx.sum(-1, keepdim=True) + e_blk.sum(-1, keepdim=True)
+        e_ctx.div_(den)
+        e_blk.div_(den)  # now the probabilities
+        out = (e_ctx.view(R, nkv, rep * n * B, kr) @ v_ctx).view(R, nkv, rep, n, B, d) + e_blk @ v_blk[:, :, None]
+        ctx.save_for_backward(q, k_ctx, v_ctx, k_blk, v_blk, e_ctx, e_blk, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        q, k_ctx, v_ctx, k_blk, v_blk, p_ctx, p_blk, out = ctx.saved_tensors
+        R, nkv, rep, n, B, d = q.shape
+        kr = k_ctx.shape[2]
+        g = g.contiguous()
+        dsum = (g * out).sum(-1, keepdim=True)  # [R, nkv, rep, n, B, 1]
+        g2 = g.view(R, nkv, rep * n * B, d)
+        pc2 = p_ctx.view(R, nkv, rep * n * B, kr)
+        dv_ctx = pc2.transpose(-1, -2) @ g2
+        ds_ctx = (g2 @ v_ctx.transpose(-1, -2)).view_as(p_ctx).sub_(dsum).mul_(p_ctx)
+        ds_blk = (g @ v_blk[:, :, None].transpose(-1, -2)).sub_(dsum).mul_(p_blk)  # [R, nkv, rep, n, B, B]
+        dv_blk = (p_blk.transpose(-1, -2) @ g).sum(2)
+        ds2 = ds_ctx.view(R, nkv, rep * n * B, kr)
+        dq = (ds2 @ k_ctx).view_as(q) + ds_blk @ k_blk[:, :, None]
+        dk_ctx = ds2.transpose(-1, -2) @ q.reshape(R, nkv, rep * n * B, d)
+        dk_blk = (ds_blk.transpose(-1, -2) @ q).sum(2)
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None
 
 
 def split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask: SplitMask, chunk_blocks: int = CHUNK_BLOCKS,
@@ -120,16 +172,22 @@ def split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask: SplitMask, chunk_
         return out.reshape(R, nh, NB, d).to(dtype)
     chunk = max(1, min(N, chunk_blocks, chunk_bytes // max(1, 4 * nh * B * T)))
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_ctx, v_ctx, k_blk, v_blk))
+    # rows and chunks taken apart with unbind/split (one gradient concatenation each), not sliced from the
+    # whole tensors: a slice's backward writes a zero tensor of its input's full size, per chunk
+    q_rows, kb_rows, vb_rows, kc_rows, vc_rows = (t.unbind(0) for t in (qg, kb, vb, kc, vc))
     rows = []
     for r, ranges in enumerate(_key_ranges(mask, chunk)):  # rows apart: their documents differ
         i = slice(r, r + 1)
+        q_c, kb_c, vb_c = q_rows[r].split(chunk, dim=2), kb_rows[r].split(chunk, dim=1), vb_rows[r].split(chunk, dim=1)
         outs = []
         for c, (lo, hi) in enumerate(ranges):
             s = slice(c * chunk, min(N, (c + 1) * chunk))
-            args = (qg[i, :, :, s], kc[i, :, lo:hi], vc[i, :, lo:hi], kb[i, :, s], vb[i, :, s], anchors[i, s],
-                    adoc[i, s], doc[i, lo:hi], qpos[i, s], cpos[i, lo:hi], lo, mask.window)
+            args = (q_c[c][None], kc_rows[r][None, :, lo:hi], vc_rows[r][None, :, lo:hi], kb_c[c][None], vb_c[c][None],
+                    anchors[i, s], adoc[i, s], doc[i, lo:hi], qpos[i, s], cpos[i, lo:hi], lo, mask.window)
             if grad and CHECKPOINT:
                 outs.append(checkpoint(_chunk_attention, *args, use_reentrant=False))
+            elif MANUAL_BACKWARD:
+                outs.append(_ChunkAttention.apply(*args[:5], _visible(*args[5:])))
             else:
                 outs.append(_chunk_attention(*args))
         rows.append(torch.cat(outs, dim=3))
