@@ -542,6 +542,7 @@ class TokenizedData:
     tokens: int = 0  # sum of kept lengths
     supervised_tokens: int = 0
     seq_len: int = 0
+    shortest_prompt: int | None = None  # shortest prompt prefix among skipped_too_long_prompt rows
 
     @property
     def lengths(self) -> list[int]:
@@ -576,11 +577,13 @@ def _iter_batches(ds, batch_size: int, source: str):
 
 
 def tokenize_dataset(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, progress: bool = True,
-                     batch_size: int = 256) -> TokenizedData:
+                     batch_size: int = 256, first_row: int = 0, allow_empty: bool = False) -> TokenizedData:
     """Normalise, render and tokenise every row (tokenizer calls batched by `batch_size`), cut to seq_len tokens.
 
     Rows without an assistant turn (or without a supervised token) and rows whose supervised tokens all fall
-    beyond seq_len are skipped and counted. If nothing is usable, DataError says why.
+    beyond seq_len are skipped and counted. If nothing is usable, DataError says why (unless allow_empty: a part
+    of a dataset, see extract/tokenize_cache.py). `first_row`: the dataset row of ds[0] (errors and
+    sample_index name rows of the whole dataset).
     """
     from tqdm.auto import tqdm
 
@@ -592,7 +595,7 @@ def tokenize_dataset(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, pro
     total = len(ds) if hasattr(ds, "__len__") else None
     bar = tqdm(total=total, desc=f"tokenizing {os.path.basename(str(source)) or source}", unit="conv",
                disable=not progress or not sys.stderr.isatty(), dynamic_ncols=True)
-    row = 0
+    row = int(first_row)
     try:
         for batch in _iter_batches(ds, batch_size, source):
             texts, spans, rows = [], [], []
@@ -626,20 +629,28 @@ def tokenize_dataset(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, pro
             bar.update(len(batch))
     finally:
         bar.close()
-    out.total = row
+    out.total = row - int(first_row)
     out.used = len(out.docs)
-    if out.used == 0:
-        if out.total == 0:
-            raise DataError(f"{source} has no rows")
-        if out.skipped_too_long_prompt:
-            raise DataError(
-                f"{source}: no usable conversation: in all {out.skipped_too_long_prompt} conversations with assistant "
-                f"tokens the prompt is longer than seq_len={seq_len} (shortest prompt prefix: {shortest_prompt} "
-                f"tokens before the first assistant token; {out.skipped_no_assistant} more rows have no assistant "
-                f"tokens); raise seq_len above {shortest_prompt}")
-        raise DataError(f"{source}: no usable conversation: none of the {out.total} rows has an assistant turn "
-                        "with supervised tokens")
+    out.shortest_prompt = shortest_prompt
+    if not allow_empty:
+        check_usable(out, source)
     return out
+
+
+def check_usable(out: TokenizedData, source: str) -> None:
+    """DataError saying why, when no conversation of the dataset could be used."""
+    if out.used:
+        return
+    if out.total == 0:
+        raise DataError(f"{source} has no rows")
+    if out.skipped_too_long_prompt:
+        raise DataError(
+            f"{source}: no usable conversation: in all {out.skipped_too_long_prompt} conversations with assistant "
+            f"tokens the prompt is longer than seq_len={out.seq_len} (shortest prompt prefix: {out.shortest_prompt} "
+            f"tokens before the first assistant token; {out.skipped_no_assistant} more rows have no assistant "
+            f"tokens); raise seq_len above {out.shortest_prompt}")
+    raise DataError(f"{source}: no usable conversation: none of the {out.total} rows has an assistant turn "
+                    "with supervised tokens")
 
 
 def data_fingerprint(tokenized: TokenizedData) -> str:

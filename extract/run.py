@@ -34,7 +34,6 @@ from .data import (
     ChatTokenizer,
     data_fingerprint,
     load_chat_dataset,
-    tokenize_dataset,
     tokenizer_fingerprint,
 )
 from .pack import materialize, pack, pack_stats
@@ -47,6 +46,7 @@ from .target import (
     text_config,
     validate_layer_ids,
 )
+from .tokenize_cache import tokenize_cached
 
 
 @dataclass
@@ -68,6 +68,8 @@ class ExtractConfig:
     host_buffers: int = 3
     chat_template: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
+    tokenize_workers: int = 0  # 0: this process's cores
+    tokenize_cache: str | None = None  # None: $DFLASH_TOKENIZE_CACHE or ~/.cache/dflash/tokenized; "off": none
     overwrite: bool = False
     device: str = "auto"
     progress: bool = True
@@ -85,6 +87,7 @@ class ExtractConfig:
         check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
         check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
         check(self.writer_threads is None or self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
+        check(self.tokenize_workers >= 0, "tokenize_workers", f"must be >= 0 (0: every core), got {self.tokenize_workers}")
         check(self.host_buffers >= 1, "host_buffers", f"must be >= 1, got {self.host_buffers}")
 
 
@@ -122,7 +125,8 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     tokenizer = load_tokenizer(cfg.target)
     chat_tok = ChatTokenizer(tokenizer, cfg.chat_template_kwargs, chat_template=cfg.chat_template)
     ds = load_chat_dataset(cfg.data, split=cfg.split, max_samples=cfg.max_samples)
-    data = tokenize_dataset(ds, chat_tok, cfg.seq_len, source=cfg.data, progress=show)
+    data = tokenize_cached(ds, chat_tok, cfg.seq_len, cfg.data, _tokenize_cache_dir(cfg), cfg.tokenize_workers or None,
+                           dist=dist, progress=show)
     lengths = data.lengths
     plan = pack(lengths, cfg.seq_len)
     pstats = pack_stats(plan, lengths, cfg.seq_len)
@@ -135,7 +139,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         "target": target_info(cfg.target, hf_cfg).as_dict(),
         "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
         "chat_template_fingerprint": chat_tok.fingerprint,
-        "data_fingerprint": data_fingerprint(data),
+        "data_fingerprint": getattr(data, "fingerprint", None) or data_fingerprint(data),
         "data": {"path": os.path.abspath(cfg.data), "split": cfg.split, "max_samples": cfg.max_samples,
                  **data.counts(), "packing_padding_fraction": round(pstats.padding_fraction, 6)},
         "extraction": {"dtype": str(dtype).replace("torch.", ""), "attn": attn, "pad_id": int(pad_id)},
@@ -272,6 +276,15 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     finally:
         bar.close()
     return done
+
+
+def _tokenize_cache_dir(cfg: ExtractConfig) -> str | None:
+    if cfg.tokenize_cache == "off":
+        return None
+    if cfg.tokenize_cache:
+        return cfg.tokenize_cache
+    default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash", "tokenized")
+    return os.environ.get("DFLASH_TOKENIZE_CACHE") or default
 
 
 def _pad_rows(a: np.ndarray, rows: int, value: int) -> np.ndarray:

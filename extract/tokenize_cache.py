@@ -1,0 +1,208 @@
+"""Tokenise a chat dataset once, in parallel, into flat arrays on disk that every rank (and a rerun) shares.
+
+    data = tokenize_cached(ds, chat_tok, seq_len, source, cache_dir, workers=16, dist=dist)
+
+Contract:
+  * The result equals `tokenize_dataset(ds, chat_tok, seq_len, source)`: the same documents in the same order
+    (ids, loss masks), the same sample_index and counts, hence the same `data_fingerprint` and packing. Its
+    `docs` is a `FlatDocs` (a sequence of (ids, mask) views into two flat arrays, not a list of arrays).
+  * Work: `workers` processes (fork, before any CUDA work) each tokenise a contiguous range of rows with
+    tokenize_dataset and write flat arrays; the parent concatenates them in row order. DataError from a
+    worker (it names the global row) is raised in the parent.
+  * Cache: a directory `<cache_dir>/<key>` with ids.npy (int32), mask.npy (uint8), offsets.npy (int64,
+    n+1), sample_index.npy (int64) and meta.json (counts, the data fingerprint), made visible by one rename
+    (a crash leaves no half-written entry). key = sha256 of (the dataset's fingerprint as `datasets` computes
+    it for the loaded files and selection, the source path, the tokenizer fingerprint, the chat template
+    fingerprint, seq_len, this module's format version). Entries are read with mmap: resident memory stays
+    that of the arrays actually touched.
+  * Ranks: under torchrun the node's local rank 0 builds a missing entry while the others wait at a barrier,
+    then every rank maps it. A dataset without a fingerprint (a list of dicts) is tokenised in memory, uncached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import time
+
+import numpy as np
+
+from .data import ChatTokenizer, TokenizedData, check_usable, data_fingerprint, tokenize_dataset, tokenizer_fingerprint
+
+FORMAT = 1
+_COUNTS = ("total", "used", "truncated", "skipped_no_assistant", "skipped_too_long_prompt", "tokens",
+           "supervised_tokens")
+
+
+class FlatDocs:
+    """Documents as views into flat arrays: docs[i] -> (ids int32, mask uint8) of document i."""
+
+    def __init__(self, ids: np.ndarray, mask: np.ndarray, offsets: np.ndarray):
+        self.ids, self.mask, self.offsets = ids, mask, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.ids[a:b], self.mask[a:b]
+
+    def __iter__(self):
+        for i in range(len(self)):
+            yield self[i]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+class FlatTokenizedData(TokenizedData):
+    """TokenizedData whose docs are a FlatDocs (lengths from the offsets, no per-document objects)."""
+
+    @property
+    def lengths(self) -> list[int]:
+        return self.docs.lengths.tolist()
+
+
+def cache_key(ds, source: str, chat_tok: ChatTokenizer, seq_len: int) -> str | None:
+    fp = getattr(ds, "_fingerprint", None)
+    if not fp:
+        return None
+    payload = json.dumps([FORMAT, fp, os.path.abspath(str(source)), len(ds), tokenizer_fingerprint(chat_tok.tokenizer),
+                          chat_tok.fingerprint, int(seq_len)])
+    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+
+
+def _flatten(part: TokenizedData):
+    lens = np.fromiter((len(i) for i, _ in part.docs), dtype=np.int64, count=len(part.docs))
+    ids = np.concatenate([i for i, _ in part.docs]).astype(np.int32) if part.docs else np.zeros(0, np.int32)
+    mask = np.concatenate([m for _, m in part.docs]).astype(np.uint8) if part.docs else np.zeros(0, np.uint8)
+    return ids, mask, lens, np.asarray(part.sample_index, dtype=np.int64)
+
+
+_JOB: dict = {}
+
+
+def _work(args):
+    """Worker: tokenise rows [lo, hi) of the dataset (inherited by fork) into npz part files under tmp."""
+    lo, hi, tmp = args
+    j = _JOB
+    try:
+        part = tokenize_dataset(j["ds"].select(range(lo, hi)), j["chat_tok"], j["seq_len"], j["source"],
+                                progress=False, first_row=lo, allow_empty=True)
+    except Exception as e:  # DataError names the row; re-raised in the parent
+        return {"error": e}
+    ids, mask, lens, sidx = _flatten(part)
+    path = os.path.join(tmp, f"part-{lo:012d}.npz")
+    np.savez(path, ids=ids, mask=mask, lens=lens, sidx=sidx)
+    return {"path": path, "shortest_prompt": part.shortest_prompt, **{k: getattr(part, k) for k in _COUNTS}}
+
+
+def tokenize_parallel(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, workers: int, out_dir: str) -> dict:
+    """Tokenise all rows with `workers` processes; write the flat arrays + meta.json into out_dir (must exist)."""
+    n = len(ds)
+    workers = max(1, min(int(workers), n))
+    bounds = np.linspace(0, n, workers * 4 + 1 if n >= workers * 4 else workers + 1).astype(int)
+    jobs = [(int(a), int(b), out_dir) for a, b in zip(bounds[:-1], bounds[1:]) if b > a]
+    _JOB.update(ds=ds, chat_tok=chat_tok, seq_len=int(seq_len), source=source)
+    try:
+        if workers == 1:
+            results = [_work(j) for j in jobs]
+        else:
+            with mp.get_context("fork").Pool(workers) as pool:
+                results = pool.map(_work, jobs, chunksize=1)
+    finally:
+        _JOB.clear()
+    for r in results:
+        if "error" in r:
+            raise r["error"]
+    counts = {k: sum(r[k] for r in results) for k in _COUNTS}
+    prompts = [r["shortest_prompt"] for r in results if r["shortest_prompt"] is not None]
+    parts = [np.load(r["path"]) for r in results]
+    total_tokens = sum(len(p["ids"]) for p in parts)
+    ndocs = sum(len(p["lens"]) for p in parts)
+    ids = np.lib.format.open_memmap(os.path.join(out_dir, "ids.npy"), "w+", np.int32, (total_tokens,))
+    mask = np.lib.format.open_memmap(os.path.join(out_dir, "mask.npy"), "w+", np.uint8, (total_tokens,))
+    offsets = np.zeros(ndocs + 1, np.int64)
+    sidx = np.zeros(ndocs, np.int64)
+    t = d = 0
+    for p, r in zip(parts, results):
+        k, m = len(p["ids"]), len(p["lens"])
+        ids[t:t + k], mask[t:t + k] = p["ids"], p["mask"]
+        offsets[d + 1:d + m + 1] = t + np.cumsum(p["lens"])
+        sidx[d:d + m] = p["sidx"]
+        t, d = t + k, d + m
+        os.remove(r["path"])
+    ids.flush()
+    mask.flush()
+    del ids, mask
+    np.save(os.path.join(out_dir, "offsets.npy"), offsets)
+    np.save(os.path.join(out_dir, "sample_index.npy"), sidx)
+    meta = {"format": FORMAT, "seq_len": int(seq_len), "source": str(source), "shortest_prompt": min(prompts, default=None),
+            **counts}
+    data = _load(out_dir, meta)
+    meta["data_fingerprint"] = data_fingerprint(data)
+    with open(os.path.join(out_dir, "meta.json"), "w") as f:
+        json.dump(meta, f)
+    return meta
+
+
+def _load(path: str, meta: dict | None = None) -> FlatTokenizedData:
+    if meta is None:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    docs = FlatDocs(np.load(os.path.join(path, "ids.npy"), mmap_mode="r"),
+                    np.load(os.path.join(path, "mask.npy"), mmap_mode="r"), np.load(os.path.join(path, "offsets.npy")))
+    out = FlatTokenizedData(seq_len=meta["seq_len"], shortest_prompt=meta["shortest_prompt"],
+                            **{k: meta[k] for k in _COUNTS})
+    out.docs = docs
+    out.sample_index = np.load(os.path.join(path, "sample_index.npy"))  # int64 [n]
+    out.fingerprint = meta.get("data_fingerprint")
+    return out
+
+
+def tokenize_cached(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, cache_dir: str | None,
+                    workers: int | None = None, dist=None, progress: bool = True) -> TokenizedData:
+    """The dataset tokenised (module docstring): from the cache if present, else built once and cached."""
+    workers = workers or max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count())
+    key = cache_key(ds, source, chat_tok, seq_len) if cache_dir else None
+    if key is None:
+        if workers == 1 or len(ds) < 2 * workers or not hasattr(ds, "select"):
+            return tokenize_dataset(ds, chat_tok, seq_len, source, progress=progress)
+        with tempfile.TemporaryDirectory(prefix="dflash-tok-") as tmp:
+            meta = tokenize_parallel(ds, chat_tok, seq_len, source, workers, tmp)
+            data = _load(tmp, meta)
+            data.docs = FlatDocs(np.array(data.docs.ids), np.array(data.docs.mask), data.docs.offsets)  # off the tmp dir
+            check_usable(data, source)
+            return data
+    final = os.path.join(cache_dir, key)
+    local_main = dist is None or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if local_main and not os.path.exists(os.path.join(final, "meta.json")):
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir)
+        try:
+            t0 = time.perf_counter()
+            tokenize_parallel(ds, chat_tok, seq_len, source, workers, tmp)
+            try:
+                os.rename(tmp, final)
+            except OSError:  # another node built the same entry first: its content is the same
+                if not os.path.exists(os.path.join(final, "meta.json")):
+                    raise
+            if progress:
+                print(f"extract: tokenised {len(ds)} conversations with {workers} processes in "
+                      f"{time.perf_counter() - t0:.1f} s -> {final}", flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    if dist is not None and dist.distributed:
+        from dflash.dist import barrier
+
+        barrier()
+    data = _load(final)
+    check_usable(data, source)
+    return data
