@@ -160,6 +160,11 @@ def cache_verify(path, threads):
 @click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
 @click.option("--overwrite", is_flag=True, default=None, help="Replace an existing cache written with other settings.")
+@click.option("--compile", type=click.Choice(["auto", "on", "off"]),
+              help="Compiled target forward, checked against eager on the first batch (off = eager).  [default: on for GPU]")
+@click.option("--tokenize-workers", type=int, help="Processes that tokenise the data (once per job, cached).  [default: every core]")
+@click.option("--tokenize-cache", help="Directory of tokenised datasets shared by ranks and reruns, or 'off'.  "
+                                       "[default: $DFLASH_TOKENIZE_CACHE or ~/.cache/dflash/tokenized]")
 @click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
 @click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3,4).")
 @click.option("--json", "json_out", help="Also write the run summary to this JSON file.")

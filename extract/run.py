@@ -68,6 +68,7 @@ class ExtractConfig:
     host_buffers: int = 3
     chat_template: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
+    compile: str = "auto"  # a compiled, checked target forward (extract/compiled.py): on for GPU; off = eager
     tokenize_workers: int = 0  # 0: this process's cores
     tokenize_cache: str | None = None  # None: $DFLASH_TOKENIZE_CACHE or ~/.cache/dflash/tokenized; "off": none
     overwrite: bool = False
@@ -87,6 +88,7 @@ class ExtractConfig:
         check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
         check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
         check(self.writer_threads is None or self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
+        check(self.compile in ("auto", "on", "off"), "compile", f"must be auto, on or off, got {self.compile!r}")
         check(self.tokenize_workers >= 0, "tokenize_workers", f"must be >= 0 (0: every core), got {self.tokenize_workers}")
         check(self.host_buffers >= 1, "host_buffers", f"must be >= 1, got {self.host_buffers}")
 
@@ -163,9 +165,12 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
 
     t0 = time.perf_counter()
     done_tokens, load_s = 0, 0.0
+    summary_compile: dict[str, Any] = {"compiled": False, "why": f"--compile {cfg.compile}" if todo else "nothing to do"}
     if todo:
         target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
         load_s = time.perf_counter() - t0
+        if cfg.compile == "on" or (cfg.compile == "auto" and dev.type == "cuda"):
+            target, summary_compile = _compiled_target(target, spec, plan, data.docs, pad_id, todo[0], batch_rows, dev)
         t0 = time.perf_counter()  # tokens/s counts forwards + committed writes, not loading the model
         try:
             done_tokens = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer, batch_rows, dev, show)
@@ -187,7 +192,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed, "load_s": load_s,
         "tokens_this_rank": done_tokens, "tokens_per_s_this_rank": done_tokens / elapsed if elapsed > 0 else 0.0,
         "shards_this_rank": len(mine), "assigned_tokens_this_rank": int(shard_tokens[mine].sum()) if mine else 0,
-        "writer_threads": threads,
+        "writer_threads": threads, "compile": summary_compile,
         "bytes_written_this_rank": writer.bytes_written, "raw_bytes_this_rank": writer.raw_bytes,
         "ranks": dist.world, "tokens_all_ranks": all_tokens, "slowest_rank_s": slowest,
         "tokens_per_s_all_ranks": all_tokens / slowest if slowest > 0 else 0.0,
@@ -276,6 +281,26 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     finally:
         bar.close()
     return done
+
+
+def _compiled_target(target, spec, plan, docs, pad_id, shard, batch_rows, dev):
+    """The checked compiled forward (extract/compiled.py) or, on disagreement, the eager one; and the report."""
+    from .compiled import compiled_or_eager
+
+    start, n = spec.shard_rows(shard)
+    rows = min(n, batch_rows)
+    arrays = materialize(plan, docs, spec.seq_len, pad_id, start, start + rows)
+    rows = batch_rows if dev.type == "cuda" else rows  # the shape the job runs
+    first = tuple(torch.from_numpy(_pad_rows(arrays[k], rows, pad)).to(dev, torch.long)
+                  for k, pad in (("input_ids", pad_id), ("position_ids", 0), ("doc_ids", 0)))
+    runner, report = compiled_or_eager(target, first)
+    if report["compiled"]:
+        worst = max(c / t for c, t in zip(report["err_compiled_vs_ref"], report["tolerance"]))
+        print0(f"extract: compiled target forward checked against eager on the first batch ({report['reference']}): "
+               f"agree (worst layer at {worst:.2f} of its tolerance; {report['seconds']:.0f} s)")
+    else:
+        print0(f"extract: {report['why']}; running eagerly")
+    return runner, report
 
 
 def _tokenize_cache_dir(cfg: ExtractConfig) -> str | None:
