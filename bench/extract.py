@@ -10,6 +10,9 @@ In one run, on the same packed rows:
      and to the machine's disk (disk-bound: GB/s written is reported);
   3. the peers' way: the same forwards, then one torch.save file per sample of the K concatenated
      layers (synchronous copies), tokens/s and bytes per token.
+  4. the compiled target forward (extract/compiled.py): its pure forward + capture, its first-batch check
+     against eager (per-layer errors vs a float32 reference), and end to end with --compile off and on
+     (--compile-modes) to /dev/shm and to disk; each run's compile seconds are reported apart.
 Speed does not depend on the weights, so the target is random (built on the GPU, saved once).
 """
 
@@ -45,7 +48,7 @@ def packed_rows(target: str, data: str, seq_len: int):
     return materialize(plan, docs.docs, seq_len, tok.pad_token_id or 0, 0, len(plan)), docs, plan
 
 
-def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool) -> float:
+def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=None) -> float:
     """Real tokens/s of the target over all rows; mode: flex | sdpa (document masks) | causal (no mask)."""
     from extract.target import packed_block_mask, packed_causal_mask
 
@@ -68,7 +71,7 @@ def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool) -> float:
                 pt.capture.out = None
             elif mode == pt.attn:
                 if capture:
-                    pt.run(b["input_ids"], b["position_ids"], b["doc_ids"], out)
+                    (runner or pt).run(b["input_ids"], b["position_ids"], b["doc_ids"], out)
                 else:
                     mask = packed_block_mask(b["doc_ids"]) if mode == "flex" else packed_causal_mask(b["doc_ids"])[:, None]
                     pt.model(input_ids=b["input_ids"], position_ids=b["position_ids"], attention_mask=mask, use_cache=False)
@@ -121,7 +124,8 @@ def main():
     ap.add_argument("--shm-dir", default="/dev/shm/dflash-bench-extract")
     ap.add_argument("--disk-dir", default=None, help="a directory on the machine's disk (skipped if not given)")
     ap.add_argument("--peer-rows", type=int, default=32, help="rows for the torch.save comparison")
-    ap.add_argument("--skip", default="", help="comma list of parts to skip: forward,shm,disk,peer")
+    ap.add_argument("--skip", default="", help="comma list of parts to skip: forward,compiled,shm,disk,peer")
+    ap.add_argument("--compile-modes", default="off,on", help="end-to-end runs with these --compile values")
     ap.add_argument("--json")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -154,6 +158,19 @@ def main():
                 table_rows.append({"what": name, "tok_s": tps})
                 res[f"forward_{mode}{'_capture' if cap else ''}_tok_s"] = tps
                 print(table_rows[-1], flush=True)
+        if "compiled" not in skip:
+            from extract.compiled import CompiledTarget, check_compiled
+
+            runner = CompiledTarget(pt)
+            b = {k: torch.from_numpy(rows[k][:a.batch_rows]).to("cuda", torch.long)
+                 for k in ("input_ids", "position_ids", "doc_ids")}
+            res["compile_check"] = check_compiled(pt, runner, b["input_ids"], b["position_ids"], b["doc_ids"])
+            print({"compile_check": res["compile_check"]}, flush=True)
+            tps = forward_speed(pt, rows, a.batch_rows, "flex", True, runner=runner)
+            res["forward_flex_capture_compiled_tok_s"] = tps
+            table_rows.append({"what": "pure forward, flex document mask + capture, compiled", "tok_s": tps})
+            print(table_rows[-1], flush=True)
+            del runner
         if "peer" not in skip:
             peer = peer_torch_save(pt, rows, plan, docs, a.batch_rows, os.path.join(a.shm_dir, "peer"), a.peer_rows)
             res["peer"] = peer
@@ -177,30 +194,38 @@ def main():
         warm = os.path.join(a.shm_dir, "warmup-cache")
         run_extract(ExtractConfig(target=target, data=data, out=warm, seq_len=a.seq_len, layers=layer_ids,
                                   batch_rows=a.batch_rows, codec=a.codec, max_samples=40, progress=False,
-                                  overwrite=True))
+                                  overwrite=True, compile="off", tokenize_cache="off"))
         shutil.rmtree(warm, ignore_errors=True)
     for where, base in (("shm", a.shm_dir), ("disk", a.disk_dir)):
         if where in skip or not base:
             continue
-        out = os.path.join(base, "cache")
-        shutil.rmtree(out, ignore_errors=True)
-        cfg = ExtractConfig(target=target, data=data, out=out, seq_len=a.seq_len, layers=layer_ids,
-                            batch_rows=a.batch_rows, codec=a.codec, writer_threads=12, progress=False)
-        s = run_extract(cfg)
-        size = dir_bytes(out)
-        r = {"what": f"dflash extract end to end -> {'/dev/shm' if where == 'shm' else 'disk'} ({a.codec})",
-             "tok_s": s["tokens_per_s_this_rank"], "bytes_per_token": size / real,
-             "write_GB_s": s["bytes_written_this_rank"] / s["elapsed_s"] / 1e9, "elapsed_s": s["elapsed_s"]}
-        if "forward_flex_tok_s" in res:
-            r["vs_pure_forward"] = r["tok_s"] / res["forward_flex_tok_s"]
-        res[f"extract_{where}"] = r
-        table_rows.append(r)
-        print(r, flush=True)
-        shutil.rmtree(out, ignore_errors=True)
+        for comp in a.compile_modes.split(","):
+            out = os.path.join(base, "cache")
+            shutil.rmtree(out, ignore_errors=True)
+            cfg = ExtractConfig(target=target, data=data, out=out, seq_len=a.seq_len, layers=layer_ids,
+                                batch_rows=a.batch_rows, codec=a.codec, writer_threads=12, progress=False,
+                                compile=comp, tokenize_cache="off")
+            s = run_extract(cfg)
+            size = dir_bytes(out)
+            r = {"what": f"dflash extract end to end -> {'/dev/shm' if where == 'shm' else 'disk'} ({a.codec}), "
+                         f"--compile {comp}" + ("" if comp == "off" or s["compile"]["compiled"] else " (fell back: eager)"),
+                 "tok_s": s["tokens_per_s_this_rank"], "bytes_per_token": size / real,
+                 "write_GB_s": s["bytes_written_this_rank"] / s["elapsed_s"] / 1e9, "elapsed_s": s["elapsed_s"],
+                 "compile_s": s["compile"].get("seconds", 0.0)}
+            if "forward_flex_tok_s" in res:
+                r["vs_pure_forward"] = r["tok_s"] / res["forward_flex_tok_s"]
+            off = res.get(f"extract_{where}_off")
+            if off:
+                r["vs_compile_off"] = r["tok_s"] / off["tok_s"]
+            res[f"extract_{where}_{comp}"] = {**r, "compile_report": s["compile"]}
+            table_rows.append(r)
+            print(r, flush=True)
+            shutil.rmtree(out, ignore_errors=True)
 
     print(f"\nhardware: {res['hardware']}, torch {res['torch']}; {a.shape}-shaped random target, T={a.seq_len}, "
           f"K={len(layer_ids)} layers {layer_ids}, {res['rows']} rows, {real:,} real tokens")
-    print(table(table_rows, ["what", "tok_s", "vs_pure_forward", "bytes_per_token", "write_GB_s", "elapsed_s"]))
+    print(table(table_rows, ["what", "tok_s", "vs_pure_forward", "vs_compile_off", "bytes_per_token", "write_GB_s",
+                             "elapsed_s", "compile_s"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)
