@@ -106,7 +106,7 @@ def cache_info(path, as_json):
         ("real tokens", f"{rep['real_tokens']:,} ({rep['supervised_tokens']:,} supervised)"),
         ("padding", f"{100 * rep['padding_fraction']:.2f}% of stored tokens"),
         ("on disk", f"{_human(rep['bytes_on_disk'])} ({m['codec']}; {rep['bytes_per_real_token'] or 0:,.0f} bytes per real token, "
-                    f"raw bf16 hidden = {rep['raw_hidden_bytes_per_token']:,})"),
+                    f"raw {m.get('hidden_dtype', 'bfloat16')} hidden = {rep['raw_hidden_bytes_per_token']:,})"),
         ("format", f"{m['format']} v{m['format_version']}"),
     ]
     for k in ("data_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint"):
@@ -156,6 +156,9 @@ def cache_verify(path, threads):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.  [default: flex on GPU, sdpa on CPU]")
 @click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: zstd]")
+@click.option("--hidden-dtype", type=click.Choice(["bf16", "fp8", "fp4"]),
+              help="Stored hidden states: bf16 (exact), fp8 (e4m3 + a scale per token and layer: half the bytes), "
+                   "fp4 (experimental: e2m1 + a power-of-two scale per 32 channels), quantised on the GPU.  [default: bf16]")
 @click.option("--writer-threads", type=int, help="Threads that compress and write shards.  [default: 8]")
 @click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")

@@ -31,15 +31,15 @@ numcodecs.blosc.use_threads = False
 BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (u32), blocksize (u32), cbytes (u32)
 
 
-def zarr_compressors(codec: str):
+def zarr_compressors(codec: str, typesize: int = 2):
     from zarr.codecs import BloscCodec, ZstdCodec
 
     if codec == "none":
         return None
     if codec == "lz4":
-        return BloscCodec(cname="lz4", clevel=5, shuffle="shuffle", typesize=2)
+        return BloscCodec(cname="lz4", clevel=5, shuffle="shuffle", typesize=typesize)
     if codec == "blosc-zstd":
-        return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2)
+        return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=typesize)
     if codec == "zstd":
         return ZstdCodec(level=1)
     raise CacheError(f"unknown codec {codec!r} (one of {list(CODECS)})")

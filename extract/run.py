@@ -5,8 +5,10 @@ job over machines that share the cache's filesystem or object store. Every rank 
 packs the whole dataset identically (deterministic), then runs only its shards.
 
 The GPU never waits on the disk: each forward writes the captured layers into one of two device
-buffers; a side stream copies it asynchronously into a pinned host buffer (one per shard in
-flight); when a shard's last copy has landed (polled with event.query() from this, the only
+buffers; with --hidden-dtype fp8/fp4 it is quantised there, on the device, into a second pair of
+device buffers (bytes + scales: the host copy moves half or a quarter of the bf16 bytes); a side
+stream copies it asynchronously into a pinned host buffer (one per shard in flight); when a shard's
+last copy has landed (polled with event.query() from this, the only
 CUDA thread), the shard goes to the cache writer, whose threads compress, checksum and write it.
 The main thread blocks only when every host buffer is still being written (disk-bound).
 """
@@ -26,7 +28,7 @@ import dflash_cache
 from dflash import progress
 from dflash.config import check
 from dflash.dist import barrier, compute_init, print0, resolve_dtype
-from dflash_cache import CacheSpec, CacheWriter
+from dflash_cache import CacheSpec, CacheWriter, quant
 
 from .data import (
     ChatTokenizer,
@@ -62,6 +64,7 @@ class ExtractConfig:
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     attn: str = "auto"  # flex (GPU) or sdpa
     codec: str = "zstd"  # measured: ~1.27x on bf16 hidden states at >5 GB/s on 16 cores; lz4 only ~1.06x
+    hidden_dtype: str = "bf16"  # bf16 | fp8 | fp4 (dflash_cache.quant: quantised on the device before the copy)
     writer_threads: int = 8
     host_buffers: int = 3
     chat_template: str | None = None
@@ -82,6 +85,8 @@ class ExtractConfig:
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
         check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
+        check(self.hidden_dtype in quant.CLI_NAMES, "hidden_dtype",
+              f"must be one of {', '.join(quant.CLI_NAMES)}, got {self.hidden_dtype!r}")
         check(self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
         check(self.host_buffers >= 1, "host_buffers", f"must be >= 1, got {self.host_buffers}")
 
@@ -124,7 +129,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     lengths = data.lengths
     plan = pack(lengths, cfg.seq_len)
     pstats = pack_stats(plan, lengths, cfg.seq_len)
-    row_bytes = cfg.seq_len * len(layer_ids) * H * 2
+    hidden_dtype = quant.resolve(cfg.hidden_dtype)
+    why = quant.check_shape(hidden_dtype, H)
+    if why:
+        raise TargetError(f"--hidden-dtype {cfg.hidden_dtype}: {why}")
+    row_bytes = cfg.seq_len * len(layer_ids) * H * 2  # shard sizes stay those of bf16 (same rows per shard)
     batch_rows, rows_per_shard = plan_sizes(cfg, row_bytes)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
@@ -140,7 +149,7 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         "run": {"batch_rows": batch_rows, "world": dist.world, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
-                     rows_per_shard=rows_per_shard, codec=cfg.codec, info=info)
+                     rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
     if dist.is_main:
         writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=cfg.writer_threads,
                              writer_id=f"rank{dist.rank}")
@@ -196,10 +205,18 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     T, W = spec.seq_len, spec.row_width
     cuda = dev.type == "cuda"
     free: queue.Queue[int] = queue.Queue()
-    slots = [torch.empty(spec.rows_per_shard, T, W, dtype=torch.bfloat16, pin_memory=cuda) for _ in range(cfg.host_buffers)]
+    # what is stored per token: hidden (bf16, fp8 bytes or packed fp4) and, quantised, its scales
+    stored = [(spec.stored_width, {"uint16": torch.bfloat16, "uint8": torch.float8_e4m3fn if spec.hidden_dtype == quant.FP8
+                                   else torch.uint8}[spec.hidden_storage[0]])]
+    if spec.quantized:
+        stored.append((spec.scale_width, torch.float32 if spec.hidden_storage[1] == "float32" else torch.uint8))
+    slots = [[torch.empty(spec.rows_per_shard, T, w, dtype=dt, pin_memory=cuda) for w, dt in stored]
+             for _ in range(cfg.host_buffers)]
     for i in range(len(slots)):
         free.put(i)
     gbufs = [torch.empty(batch_rows, T, W, dtype=torch.bfloat16, device=dev) for _ in range(2 if cuda else 1)]
+    qbufs = [[torch.empty(batch_rows, T, w, dtype=dt, device=dev) for w, dt in stored] for _ in gbufs] \
+        if spec.quantized else None
     copy_stream = torch.cuda.Stream(dev) if cuda else None
     copied: list[torch.cuda.Event | None] = [None] * len(gbufs)
     pending: list[tuple[int, int, dict, Any]] = []  # (shard, slot, arrays, event of its last copy)
@@ -211,8 +228,9 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     def submit(item):
         shard, slot, arrays, _ = item
         n = arrays["input_ids"].shape[0]
-        writer.submit_shard(shard, arrays["input_ids"], arrays["loss_mask"], arrays["doc_ids"], slots[slot][:n],
-                            on_done=lambda fut, slot=slot: free.put(slot))
+        writer.submit_shard(shard, arrays["input_ids"], arrays["loss_mask"], arrays["doc_ids"], slots[slot][0][:n],
+                            on_done=lambda fut, slot=slot: free.put(slot),
+                            hidden_scales=slots[slot][1][:n] if spec.quantized else None)
 
     def flush(block: bool):
         while pending and (block or pending[0][3] is None or pending[0][3].query()):
@@ -249,14 +267,21 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
                 out = gbufs[b][:rows]
                 target.run(ids, pos, doc, out)
+                src = [out[: j - i]]
+                if spec.quantized:  # on the device, before the copy: the host gets bytes + scales
+                    src = [qb[: j - i] for qb in qbufs[b]]
+                    for buf, q in zip(src, quant.quantize(out[: j - i], spec.hidden_dtype, len(spec.layer_ids))):
+                        buf.copy_(q)
                 if cuda:
                     ready = torch.cuda.current_stream(dev).record_event()
                     copy_stream.wait_event(ready)
                     with torch.cuda.stream(copy_stream):
-                        host[i:j].copy_(out[: j - i], non_blocking=True)
+                        for h, d in zip(host, src):
+                            h[i:j].copy_(d, non_blocking=True)
                         copied[b] = copy_stream.record_event()
                 else:
-                    host[i:j].copy_(out[: j - i])
+                    for h, d in zip(host, src):
+                        h[i:j].copy_(d)
                 nbatch += 1
                 real = int(np.count_nonzero(arrays["doc_ids"][i:j]))
                 done += real

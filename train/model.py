@@ -24,6 +24,7 @@ target forward that produced the context.
 
 Shapes (R rows, T tokens, K layers, H hidden, N anchors, B block, V vocab):
     hidden [R, T, K*H] bf16    input_ids/loss_mask/doc_ids [R, T]    anchor_scores [R, T] in [0, 1)
+    (or, from an fp8/fp4 cache, hidden as stored + hidden_scales: dequantised in fuse_context, in the step)
     -> block tokens [R, N*B], logits [R, N, B-1, V], loss scalar, metrics (all tensors, no host sync)
 
 Checkpoints use the layout DFlash drafters are served from (HF `save_pretrained`: a Qwen3 config
@@ -483,8 +484,13 @@ class DFlashDrafter(nn.Module):
         self.embed_weight = embed_weight.detach().to(self.fc.weight.device, dtype).clone()
         self.lm_head_weight = lm_head_weight.detach().to(self.fc.weight.device, dtype).clone()
 
-    def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[*, K*H] target hidden states -> [*, H] context features."""
+    def fuse_context(self, hidden: torch.Tensor, hidden_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """[*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
+        cache's stored form (fp8 bytes or packed fp4, dflash_cache.quant), dequantised here on the device."""
+        if hidden_scales is not None:
+            from dflash_cache.quant import dequantize
+
+            hidden = dequantize(hidden, hidden_scales, self.fc.weight.dtype)
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -495,9 +501,9 @@ class DFlashDrafter(nn.Module):
 
     # -- training: many blocks per packed row ----------------------------------------------------
     def forward_train(self, hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int,
-                      gamma: float = 7.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      gamma: float = 7.0, hidden_scales=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         blocks, masks = self.prepare(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors)
-        return self.forward_blocks(hidden, blocks, masks, gamma)
+        return self.forward_blocks(hidden, blocks, masks, gamma, hidden_scales)
 
     def prepare(self, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int):
         """A batch's blocks (anchors, block tokens, labels, positions) and attention masks, one per window."""
@@ -512,10 +518,10 @@ class DFlashDrafter(nn.Module):
                 masks[w] = make(blocks, doc_ids, w)
         return blocks, masks
 
-    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0):
+    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0, hidden_scales=None):
         """Loss and metrics of the drafter over prepared blocks (see prepare) and the context's hidden states."""
         R, N, B = blocks.tokens.shape
-        ctx = self.fuse_context(hidden)  # [R, T, H]
+        ctx = self.fuse_context(hidden, hidden_scales)  # [R, T, H]
         x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
         dtype = x.dtype
         ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype)

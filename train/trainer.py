@@ -396,7 +396,8 @@ class Trainer:
         step into wrong gradients (fixed by model.make_blocks_opaque; BENCHMARKS.md, "Compiled step"), and a
         run must not learn from such a step silently."""
         cfg, model = self.cfg, self.model
-        args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma)
+        args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma,
+                x.get("hidden_scales"))
 
         def loss_and_grads(fn):
             loss, _ = fn(*args)
@@ -492,7 +493,8 @@ class Trainer:
         m = start_micro
         for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
                                     start_step=within, epochs=None, prefetch=cfg.prefetch,
-                                    threads=cfg.loader_threads, pin_memory=self.cuda, check=True):  # CRC every chunk
+                                    threads=cfg.loader_threads, pin_memory=self.cuda, check=True,  # CRC every chunk
+                                    quantized=True):  # fp8/fp4 caches: bytes + scales, dequantised in the step
             yield m, b
             m += 1
 
@@ -533,7 +535,8 @@ class Trainer:
                     wait = time.perf_counter() - t0
                     wait_window += wait
                     wait_total += wait
-                    x = {k: batch[k].to(dev, non_blocking=True) for k in ("hidden", "input_ids", "loss_mask", "doc_ids")}
+                    x = {k: batch[k].to(dev, non_blocking=True)
+                         for k in ("hidden", "hidden_scales", "input_ids", "loss_mask", "doc_ids") if k in batch}
                     if self.cuda:
                         ev = torch.cuda.current_stream(dev).record_event()
                         if prev is not None:
@@ -546,7 +549,7 @@ class Trainer:
                     if self.compiled and self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
                     loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
-                                         cfg.num_anchors, cfg.gamma)
+                                         cfg.num_anchors, cfg.gamma, x.get("hidden_scales"))
                     loss.backward()
                     grads = [p.grad for p in self.params]
                     if a == 0:
