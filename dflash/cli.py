@@ -158,7 +158,7 @@ def cache_verify(path, threads):
 @click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: zstd]")
 @click.option("--hidden-dtype", type=click.Choice(["bf16", "fp8", "fp4"]),
               help="Stored hidden states: bf16 (exact), fp8 (e4m3 + a scale per token and layer: half the bytes), "
-                   "fp4 (experimental: e2m1 + a power-of-two scale per 32 channels), quantised on the GPU.  [default: bf16]")
+                   "fp4 (experimental: e2m1 + a float16 scale per 32 channels), quantised on the GPU.  [default: bf16]")
 @click.option("--writer-threads", type=int, help="Threads that compress and write shards.  [default: 8]")
 @click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")

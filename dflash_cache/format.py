@@ -17,14 +17,15 @@ Hidden dtype (root attribute "hidden_dtype"; `dflash extract --hidden-dtype bf16
     bfloat16       hidden uint16 [R_s, T, K*H] = the bf16 bits. Format version 1 (what every bf16 cache is).
     float8_e4m3fn  hidden uint8 [R_s, T, K*H] = e4m3 bytes; hidden_scales float32 [R_s, T, K], one scale per
                    token and captured layer. Format version 2.
-    mxfp4_e2m1     hidden uint8 [R_s, T, K*H/2] = e2m1 codes, two per byte (element 2i in the low nibble);
-                   hidden_scales uint8 [R_s, T, K*H/32] = e8m0 power-of-two exponents. Format version 2.
+    fp4_e2m1       hidden uint8 [R_s, T, K*H/2] = e2m1 codes, two per byte (element 2i in the low nibble);
+                   hidden_scales float16 [R_s, T, K*H/32], one scale per 32 channels. Format version 2.
+                   Experimental.
     In both quantised formats the value of channel j of token t of row r is
         fp8:  value = e4m3(hidden[r, t, j]) * hidden_scales[r, t, j // H]
-        fp4:  value = e2m1(nibble j % 2 of hidden[r, t, j // 2]) * 2^(hidden_scales[r, t, j // 32] - 127)
+        fp4:  value = e2m1(nibble j % 2 of hidden[r, t, j // 2]) * hidden_scales[r, t, j // 32]
     and the root attribute "hidden_scaling" spells this out (element encoding, group size, formula) for a
     plain zarr client; quant.py has the rules that make the bytes and the error bounds they guarantee.
-    Padding (and any all-zero group) has scale 0 (fp8) / byte 0 (fp4) and zero bytes: values exactly 0.
+    Padding (and any all-zero group) has scale 0 and zero bytes: values exactly 0.
 
 Every array is a plain zarr array (any zarr client reads it). Row r of shard s is global row
 s * rows_per_shard + r; the last shard may hold fewer rows. Rows are exactly T tokens; padding
@@ -56,7 +57,7 @@ SMALL_ARRAYS = {"input_ids": "int32", "loss_mask": "uint8", "doc_ids": "int32"}
 HIDDEN = "hidden"
 SCALES = "hidden_scales"
 ARRAYS = (*SMALL_ARRAYS, HIDDEN)
-HIDDEN_DTYPES = quant.HIDDEN_DTYPES  # bfloat16, float8_e4m3fn, mxfp4_e2m1 (stored as above)
+HIDDEN_DTYPES = quant.HIDDEN_DTYPES  # bfloat16, float8_e4m3fn, fp4_e2m1 (stored as above)
 CODECS = ("none", "lz4", "zstd", "blosc-zstd")
 
 

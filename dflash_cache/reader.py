@@ -8,7 +8,7 @@
     for batch in cache.batches(4, rank=r, world=w, epoch=e, seed=0):
         ...                      # the same dict with a leading [4] dim, plus "row_index", "row_valid"
 
-Quantised caches (hidden_dtype float8_e4m3fn / mxfp4_e2m1, see format.py): random access (cache[i],
+Quantised caches (hidden_dtype float8_e4m3fn / fp4_e2m1, see format.py): random access (cache[i],
 read_rows) dequantises to bfloat16 on the CPU, so such a reader sees what it sees in a bf16 cache
 (read_rows(..., raw=True) gives the stored form). The batch iterator moves the stored bytes only: it
 refuses a quantised cache unless the consumer says it takes them (batches(..., quantized=True)); its
@@ -253,7 +253,7 @@ class Cache:
             HIDDEN: torch.empty(n, T, W, dtype=hidden_dtype, pin_memory=pin),
         }
         if spec.quantized:
-            sdt = torch.float32 if spec.hidden_storage[1] == "float32" else torch.uint8
+            sdt = getattr(torch, spec.hidden_storage[1])  # float32 (fp8) or float16 (fp4)
             tens[SCALES] = torch.empty(n, T, spec.scale_width, dtype=sdt, pin_memory=pin)
         views = {k: v.numpy() for k, v in tens.items() if k != HIDDEN}
         views[HIDDEN] = (tens[HIDDEN].view(torch.int16).numpy().view(np.uint16) if hidden_dtype == torch.bfloat16

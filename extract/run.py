@@ -209,7 +209,7 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     stored = [(spec.stored_width, {"uint16": torch.bfloat16, "uint8": torch.float8_e4m3fn if spec.hidden_dtype == quant.FP8
                                    else torch.uint8}[spec.hidden_storage[0]])]
     if spec.quantized:
-        stored.append((spec.scale_width, torch.float32 if spec.hidden_storage[1] == "float32" else torch.uint8))
+        stored.append((spec.scale_width, getattr(torch, spec.hidden_storage[1])))  # float32 (fp8) / float16 (fp4)
     slots = [[torch.empty(spec.rows_per_shard, T, w, dtype=dt, pin_memory=cuda) for w, dt in stored]
              for _ in range(cfg.host_buffers)]
     for i in range(len(slots)):
