@@ -34,6 +34,8 @@ tokens have doc_id 0, loss_mask 0 and all-zero hidden states (true zeros cost no
 The commit record carries, per array, the CRC-32 of every chunk's raw (decoded, little-endian)
 bytes (hidden_scales included), so `verify` detects truncated, corrupted or swapped files. A shard without a commit record
 does not exist: a crashed writer leaves nothing that looks complete, and a rerun redoes it.
+A resumed or repeated extraction writes the same bytes; what legitimately differs between runs is the root's
+info.run (batch size, world size, time) and each commit record's "writer" and "time".
 """
 
 from __future__ import annotations
