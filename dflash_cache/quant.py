@@ -79,6 +79,15 @@ def stored_dtypes(hidden_dtype: str) -> tuple[str, str | None]:
     return {BF16: ("uint16", None), FP8: ("uint8", "float32"), FP4: ("uint8", "float16")}[hidden_dtype]
 
 
+def torch_dtypes(hidden_dtype: str) -> tuple["torch.dtype", "torch.dtype | None"]:
+    """(torch dtype of `hidden`, of `hidden_scales` or None) as tensors hold them: bf16 values, fp8 as
+    float8_e4m3fn (the same bytes), packed fp4 as uint8."""
+    import torch
+
+    return {BF16: (torch.bfloat16, None), FP8: (torch.float8_e4m3fn, torch.float32),
+            FP4: (torch.uint8, torch.float16)}[hidden_dtype]
+
+
 def scaling_metadata(hidden_dtype: str, hidden_size: int) -> dict | None:
     """What the root metadata says about the scaling: enough for a plain zarr client to rebuild the values."""
     if hidden_dtype == FP8:

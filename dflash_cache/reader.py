@@ -245,7 +245,7 @@ class Cache:
         import torch
 
         T, W, spec = self.spec.seq_len, self.spec.stored_width, self.spec
-        hidden_dtype = {"bfloat16": torch.bfloat16, quant.FP8: torch.float8_e4m3fn, quant.FP4: torch.uint8}[spec.hidden_dtype]
+        hidden_dtype, scales_dtype = quant.torch_dtypes(spec.hidden_dtype)
         tens = {
             "input_ids": torch.empty(n, T, dtype=torch.int32, pin_memory=pin),
             "loss_mask": torch.empty(n, T, dtype=torch.uint8, pin_memory=pin),
@@ -253,8 +253,7 @@ class Cache:
             HIDDEN: torch.empty(n, T, W, dtype=hidden_dtype, pin_memory=pin),
         }
         if spec.quantized:
-            sdt = getattr(torch, spec.hidden_storage[1])  # float32 (fp8) or float16 (fp4)
-            tens[SCALES] = torch.empty(n, T, spec.scale_width, dtype=sdt, pin_memory=pin)
+            tens[SCALES] = torch.empty(n, T, spec.scale_width, dtype=scales_dtype, pin_memory=pin)
         views = {k: v.numpy() for k, v in tens.items() if k != HIDDEN}
         views[HIDDEN] = (tens[HIDDEN].view(torch.int16).numpy().view(np.uint16) if hidden_dtype == torch.bfloat16
                          else tens[HIDDEN].view(torch.uint8).numpy())

@@ -237,7 +237,7 @@ class CacheWriter:
         want = {HIDDEN: hdt, SCALES: sdt}.get(name)
         if torch is not None and isinstance(x, torch.Tensor):
             if name == HIDDEN:
-                need = {"bfloat16": torch.bfloat16, quant.FP8: torch.float8_e4m3fn, quant.FP4: torch.uint8}[self.spec.hidden_dtype]
+                need = quant.torch_dtypes(self.spec.hidden_dtype)[0]
                 if x.dtype != need:
                     raise CacheError(f"hidden of a {self.spec.hidden_dtype} cache must be {need}, got {x.dtype}")
                 x = x.detach().cpu()

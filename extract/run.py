@@ -206,10 +206,8 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     cuda = dev.type == "cuda"
     free: queue.Queue[int] = queue.Queue()
     # what is stored per token: hidden (bf16, fp8 bytes or packed fp4) and, quantised, its scales
-    stored = [(spec.stored_width, {"uint16": torch.bfloat16, "uint8": torch.float8_e4m3fn if spec.hidden_dtype == quant.FP8
-                                   else torch.uint8}[spec.hidden_storage[0]])]
-    if spec.quantized:
-        stored.append((spec.scale_width, getattr(torch, spec.hidden_storage[1])))  # float32 (fp8) / float16 (fp4)
+    hidden_t, scales_t = quant.torch_dtypes(spec.hidden_dtype)
+    stored = [(spec.stored_width, hidden_t)] + ([(spec.scale_width, scales_t)] if spec.quantized else [])
     slots = [[torch.empty(spec.rows_per_shard, T, w, dtype=dt, pin_memory=cuda) for w, dt in stored]
              for _ in range(cfg.host_buffers)]
     for i in range(len(slots)):

@@ -193,6 +193,20 @@ def test_versions_metadata_and_info(tmp_path):
     spec = CacheSpec(**{**dflash_cache.open(str(tmp_path / "f")).spec.__dict__, "hidden_dtype": "bfloat16"})
     with pytest.raises(dflash_cache.CacheMismatchError, match="'hidden_dtype'"):
         CacheWriter(str(tmp_path / "f"), spec)
+    # what the writer refuses: scales for a bf16 cache, bytes of the wrong dtype, scales of the wrong shape
+    fspec = dflash_cache.open(str(tmp_path / "f")).spec
+    bspec = dflash_cache.open(str(tmp_path / "b")).spec
+    x = torch.zeros(2, 16, W, dtype=torch.bfloat16)
+    small = (np.zeros((2, 16), np.int32), np.zeros((2, 16), np.uint8), np.zeros((2, 16), np.int32))
+    h, s = quant.quantize(x, quant.FP8, K)
+    with pytest.raises(CacheError, match="hidden_scales given for a bfloat16 cache"):
+        CacheWriter(str(tmp_path / "b2"), bspec).write_shard(0, *small, x, hidden_scales=s)
+    w = CacheWriter(str(tmp_path / "f2"), fspec)
+    with pytest.raises(CacheError, match="must be torch.float8_e4m3fn"):
+        w.write_shard(0, *small, h.view(torch.int8), hidden_scales=s)
+    with pytest.raises(CacheError, match="'hidden_scales' has shape"):
+        w.write_shard(0, *small, h, hidden_scales=s[..., :2])
+    w.close()
     # fp4 needs whole groups of 32 channels
     with pytest.raises(CacheError, match="multiple of 32"):
         CacheSpec(seq_len=8, hidden_size=48, layer_ids=[1], num_rows=1, rows_per_shard=1, hidden_dtype=quant.FP4)
