@@ -18,7 +18,7 @@ fp4_e2m1 (`--hidden-dtype fp4`, experimental): 4-bit e2m1 values (1 sign, 2 expo
     bit: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6), two per byte (element 2i in the low nibble, 2i+1 in the
     high nibble), one float16 scale per 32 channels (MX-like groups, but not MX's power-of-two e8m0 scale):
         scale = float16(amax / 6)     (round to nearest; 0 for an all-zero group; at most 65504)
-        code  = e2m1(round-to-nearest(clamp(x / scale, -6, 6)))   (ties toward zero)
+        code  = e2m1(round-to-nearest-even(clamp(x / scale, -6, 6)))
         value = e2m1_value(code) * scale
     Error bound (grid spacing 0.5 below 2, 1 below 4, 2 up to 6, and a clip of at most 2^-11 of amax where
     float16 rounded the scale down):  |value - x| <= max(|x|, scale) / 4 + 2^-11 * |x|. Groups whose amax
@@ -132,8 +132,10 @@ def quantize(x: "torch.Tensor", hidden_dtype: str, num_layers: int) -> tuple["to
         s = scale.float()
         inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
         y = (g * inv[..., None]).clamp(-FP4_MAX, FP4_MAX)
-        mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], device=x.device)
-        code = torch.bucketize(y.abs(), mids).to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
+        a = y.abs()  # round to the e2m1 grid (steps 0.5 below 2, 1 below 4, 2 above; ties to the even code)
+        q = torch.where(a < 2, torch.round(a * 2) / 2, torch.where(a < 4, torch.round(a), torch.round(a / 2) * 2))
+        mag = torch.where(q < 2, q * 2, torch.where(q < 4, q + 2, q / 2 + 4))  # grid value -> code 0..7
+        code = mag.to(torch.uint8) | ((y < 0) & (mag > 0)).to(torch.uint8) << 3
         code = code.reshape(*lead, W // 2, 2)
         packed = code[..., 0] | (code[..., 1] << 4)
         return packed, scale
@@ -153,9 +155,10 @@ def dequantize(hidden: "torch.Tensor", scales: "torch.Tensor", dtype: "torch.dty
         v = hidden.reshape(*lead, K, n // K).float() * scales.float()[..., None]
         return v.reshape(*lead, n).to(dtype)
     if hidden.dtype == torch.uint8:
-        lut = torch.tensor([*E2M1_MAGNITUDES, *(-m for m in E2M1_MAGNITUDES)], device=hidden.device)
-        codes = torch.stack([hidden & 0xF, hidden >> 4], dim=-1).long()  # [..., n, 2]
-        v = lut[codes].reshape(*lead, scales.shape[-1], FP4_GROUP)
+        codes = torch.stack([hidden & 0xF, hidden >> 4], dim=-1)  # [..., n, 2]
+        e, m = ((codes >> 1) & 3).float(), (codes & 1).float()  # arithmetic, no table: no host-to-device copy
+        mag = torch.where(e == 0, m * 0.5, torch.exp2(e - 1) * (1 + m * 0.5))
+        v = torch.where(codes >= 8, -mag, mag).reshape(*lead, scales.shape[-1], FP4_GROUP)
         return (v * scales.float()[..., None]).reshape(*lead, 2 * n).to(dtype)
     raise ValueError(f"dequantize: hidden of dtype {hidden.dtype} is not a quantised format (float8_e4m3fn or uint8)")
 
