@@ -259,9 +259,8 @@ def check_out_path(cfg: TrainConfig) -> None:
         return
     entries = [n for n in os.listdir(cfg.out) if not n.startswith(LOCK_NAME)]
     if entries and _run_marker(cfg.out) is None:
-        why = "--overwrite only replaces a dflash train run directory (one with run.json); " if cfg.overwrite else ""
         raise TrainError(f"--out {cfg.out} is not a dflash run directory (it holds {_describe_dir(cfg.out, entries)}); "
-                         f"{why}choose another --out")
+                         "choose another --out (--overwrite only replaces a dflash train run directory, one with run.json)")
 
 
 def _remove_run(out: str) -> None:
