@@ -154,8 +154,10 @@ def cache_verify(path, threads, repair):
         click.echo(f"NOT COMMITTED ({len(rep.uncommitted)} shards): {head}{more} - rerun the extraction to finish them")
     if repair and rep.bad:
         from dflash_cache.inspect import uncommit
+        from dflash_cache.lock import OutputLock
 
-        fixed = uncommit(path, list(rep.bad))
+        with OutputLock(path, "dflash cache verify --repair"):  # not while an extract writes this cache
+            fixed = uncommit(path, list(rep.bad))
         click.echo(f"repaired: un-committed {len(fixed)} shard(s) {', '.join(f'{s:06d}' for s in fixed)}; "
                    "rerun the same `dflash extract` command to rewrite them")
     if not rep.ok:

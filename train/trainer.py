@@ -240,7 +240,7 @@ def _describe_dir(out: str, entries: list[str]) -> str:
     if "zarr.json" in entries:
         return "a zarr store (a dflash cache?)"
     head = ", ".join(sorted(entries)[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
-    return f"{len(entries)} entries not written by dflash train: {head}"
+    return f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'} not written by dflash train: {head}"
 
 
 def check_out_path(cfg: TrainConfig) -> None:
