@@ -625,3 +625,17 @@ def test_resumed_cache_is_byte_identical_but_the_volatile_fields(env, tmp_path):
     differ = assert_same_but_volatile(env["cache"], cache)
     assert differ and all(n.startswith("shards/") and n.endswith("/zarr.json") for n in differ), differ  # the root
     # is written once, when the cache is created: a resume does not touch it
+
+
+def test_two_fresh_single_thread_cpu_runs_are_bit_identical(env, tmp_path):
+    """What the README says is bit-reproducible: on one CPU thread (as here), two fresh runs give the same weights
+    bit for bit. (With several threads the reductions may add in another order: the last bits may differ.)"""
+    from safetensors.torch import load_file
+
+    assert torch.get_num_threads() == 1
+    for name in ("a", "b"):
+        ok(*train_args(env, tmp_path / name, "--max-steps", 3))
+    ck = Path("checkpoints") / "step_00000003" / "model.safetensors"  # float32 (final/ is rounded to bf16)
+    wa, wb = (load_file(str(tmp_path / n / ck)) for n in ("a", "b"))
+    assert wa["fc.weight"].dtype == torch.float32
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
