@@ -639,3 +639,14 @@ def test_two_fresh_single_thread_cpu_runs_are_bit_identical(env, tmp_path):
     wa, wb = (load_file(str(tmp_path / n / ck)) for n in ("a", "b"))
     assert wa["fc.weight"].dtype == torch.float32
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_lock_on_an_fsspec_url_is_best_effort_but_refuses_a_later_writer():
+    """Object stores have no exclusive create: the lock is written, read back after a pause, and a writer that
+    comes later is refused (README, Guarantees); released, it can be taken again."""
+    url = f"memory://trust-{os.getpid()}/out"
+    a = OutputLock(url, "first").acquire()
+    with pytest.raises(LockedError, match=f"pid {os.getpid()} on host {socket.gethostname()}"):
+        OutputLock(url, "second").acquire()
+    a.release()
+    OutputLock(url, "third").acquire().release()
