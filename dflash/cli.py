@@ -32,15 +32,17 @@ def known_errors() -> tuple[type[Exception], ...]:
     return (dflash_cache.CacheError, DflashError)
 
 
-def check_paths(json=None, plot=None, chat_template=None, out=None) -> None:
-    """Every path a command will write (or must read) is checked before the work starts."""
-    from dflash.paths import check_input_file, check_output_dir, check_output_file
+def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
+    """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
+    must lie outside --out."""
+    from dflash.paths import check_apart, check_input_file, check_output_dir, check_output_file
 
     check_output_file(json, "json")
     check_output_file(plot, "plot")
     if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
         check_input_file(chat_template, "chat_template")
     check_output_dir(out, "out")
+    check_apart(out, **inputs)
 
 
 def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
@@ -199,7 +201,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 5 -m dflash extract ...   (or --gpus 0,1,2,3,4)
     """
-    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"))
+    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
+                data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "extract")
     from dflash.config import build, parse_int_list, parse_kv
     from extract.run import ExtractConfig, run_extract
@@ -343,7 +346,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     Then:       dflash extract --data OUT ...
     Multi-GPU:  torchrun --nproc-per-node 4 -m dflash regenerate ...   (or --gpus 0,1,2,3)
     """
-    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"))
+    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
+                data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "regenerate")
     from dflash.config import build, parse_kv
     from extract.regenerate import RegenerateConfig, run_regenerate

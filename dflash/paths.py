@@ -88,3 +88,14 @@ class output_lock:
                     os.rmdir(self.out)
                 except OSError:
                     pass
+
+
+def check_apart(out: str, **inputs: str | None) -> None:
+    """No input (--data, --target, --cache) may be --out or lie inside it: writing, resuming or --overwrite
+    there would change or delete what the command reads."""
+    if not out or is_url(out):
+        return
+    for name, path in inputs.items():
+        if path and not is_url(path) and os.path.exists(path) and inside(path, out):
+            raise ConfigError(f"--out {out} {'is' if real(path) == real(out) else 'contains'} {flag(name)} {path}; "
+                              "an output must be apart from what the command reads: choose another --out")

@@ -358,6 +358,14 @@ def test_extract_and_regenerate_overwrite_refuse_what_is_not_theirs(env, tmp_pat
                     "--no-progress"), "not a dflash regenerate output", "a.txt")
     assert sorted(os.listdir(user)) == ["a.txt"]
 
+    # an input inside the output (here the data inside a cache, which --overwrite would delete): refused
+    cache = tmp_path / "cache"
+    shutil.copytree(env["cache"], cache)
+    shutil.copy(env["data"], cache / "chat.jsonl")
+    error_line(*cli(*extract_args(env["target"], cache / "chat.jsonl", cache, "--overwrite")), "contains --data")
+    assert (cache / "chat.jsonl").exists() and (cache / "zarr.json").exists()
+    error_line(*cli("regenerate", "--target", env["target"], "--data", user, "--out", user, "--overwrite"), "is --data")
+
 
 # ------------------------------------------------------------------------------------------------ 3. two writers
 
