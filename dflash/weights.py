@@ -108,6 +108,15 @@ def weight_files(path: str) -> tuple[str, list[str]]:
         if path.endswith(".gguf"):
             return "gguf", [path]
         raise WeightsError(f"target {path} is a file but not a .gguf file")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):  # the files HF loads (not e.g. a consolidated.safetensors copy beside them)
+        try:
+            with open(index) as f:
+                return "safetensors", sorted({os.path.join(path, v) for v in json.load(f)["weight_map"].values()})
+        except (OSError, ValueError, KeyError, AttributeError) as e:
+            raise WeightsError(f"cannot read {index}: {e}") from e
+    if os.path.isfile(os.path.join(path, "model.safetensors")):
+        return "safetensors", [os.path.join(path, "model.safetensors")]
     for kind, pattern in (("safetensors", "*.safetensors"), ("gguf", "*.gguf")):
         files = sorted(glob.glob(os.path.join(path, pattern)))
         if files:
