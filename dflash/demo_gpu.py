@@ -41,6 +41,7 @@ class GpuRecipe:
 
     heldout_percent: float = 5.0  # of conversations, chosen by a hash of the conversation id
     max_turns: int = 16  # messages kept per training conversation (user + assistant); 0 = all
+    max_conversations: int = 0  # training conversations kept (the first ones after the split); 0 = all
     eval_prompts: int = 64
     eval_max_new_tokens: int = 96
     eval_dtypes: list = field(default_factory=lambda: ["bfloat16", "float32"])  # the first one gets n-gram lookup too
@@ -48,6 +49,7 @@ class GpuRecipe:
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
         check(self.max_turns == 0 or self.max_turns >= 2, "max_turns", f"must be 0 (all) or >= 2, got {self.max_turns}")
+        check(self.max_conversations >= 0, "max_conversations", f"must be >= 0 (0 = all), got {self.max_conversations}")
         check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
         check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
         check(bool(self.eval_dtypes) and all(d in ("bfloat16", "float32") for d in self.eval_dtypes), "eval_dtypes",
@@ -126,14 +128,19 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
     train, held = [], []
     for key, turns in convs:
         (held if is_heldout(key, recipe.heldout_percent) else train).append((key, turns))
-    samples = [s for s in (training_sample(t, recipe.max_turns) for _, t in train) if s]
+    pairs = [(t, s) for t, s in ((t, training_sample(t, recipe.max_turns)) for _, t in train) if s]
+    without_answer = len(train) - len(pairs)
+    dropped = max(0, len(pairs) - recipe.max_conversations) if recipe.max_conversations else 0
+    pairs = pairs[: len(pairs) - dropped]
+    samples = [s for _, s in pairs]
     prompts = eval_prompts(held, recipe.eval_prompts, recipe.max_turns)
+    kept_turns = sum(len(s) // 2 for s in samples)
     counts = {
         "conversations": len(convs), "train_conversations": len(train), "heldout_conversations": len(held),
-        "train_samples": len(samples), "train_without_assistant_turn": len(train) - len(samples),
-        "assistant_turns": sum(sum(m["role"] == "assistant" for m in s) for s in samples),
-        "assistant_turns_cut_by_max_turns": sum(len(t) // 2 for _, t in train) -
-        sum(sum(m["role"] == "assistant" for m in s) for s in samples),
+        "train_samples": len(samples), "train_without_assistant_turn": without_answer,
+        "train_dropped_by_max_conversations": dropped,
+        "assistant_turns": kept_turns,
+        "assistant_turns_cut_by_max_turns": sum(len(t) // 2 for t, _ in pairs) - kept_turns,
         "eval_prompts": len(prompts),
         "eval_prompt_user_turns": sorted({sum(m["role"] == "user" for m in p) for p in prompts}),
     }
