@@ -45,6 +45,7 @@ class GpuRecipe:
     eval_prompts: int = 64
     eval_max_new_tokens: int = 96
     eval_dtypes: list = field(default_factory=lambda: ["bfloat16", "float32"])  # the first one gets n-gram lookup too
+    later_dtype_prompts: int = 16  # prompts of the dtypes after the first (the float32 lossless check); 0 = eval_prompts
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
@@ -52,6 +53,7 @@ class GpuRecipe:
         check(self.max_conversations >= 0, "max_conversations", f"must be >= 0 (0 = all), got {self.max_conversations}")
         check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
         check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        check(self.later_dtype_prompts >= 0, "later_dtype_prompts", "must be >= 0 (0 = eval_prompts)")
         check(bool(self.eval_dtypes) and all(d in ("bfloat16", "float32") for d in self.eval_dtypes), "eval_dtypes",
               f"must be a non-empty list of bfloat16 / float32, got {self.eval_dtypes}")
 
@@ -251,9 +253,11 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
 
 def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                    train_overrides: dict | None = None, eval_prompts: int | None = None,
-                   eval_dtypes: list[str] | None = None, timings: dict | None = None) -> dict[str, Any]:
+                   eval_dtypes: list[str] | None = None, timings: dict | None = None,
+                   ngram: bool = True) -> dict[str, Any]:
     """Train a drafter into `run` (resumed when rerun) and evaluate RUN/final once per dtype (RUN/eval-DTYPE.json,
-    reused when present). Returns {"train": summary, "eval": {dtype: report}}."""
+    reused when newer than RUN/final); n-gram lookup runs in the first dtype when ngram is True.
+    Returns {"train": summary, "eval": {dtype: report}}."""
     from dflash.config import build
     from train.eval import EvalConfig, run_eval
     from train.trainer import TrainConfig, run_train
@@ -275,8 +279,10 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
         t = time.perf_counter()
         evals[dtype] = run_eval(build(EvalConfig, preset, "eval", {
             "target": prep.target, "drafter": os.path.join(run, "final"), "data": prep.heldout,
-            "max_prompts": eval_prompts or recipe.eval_prompts, "max_new_tokens": recipe.eval_max_new_tokens,
-            "dtype": dtype, "ngram": i == 0, "device": device, "json_out": path, "progress": progress,
+            "max_prompts": (eval_prompts or recipe.eval_prompts) if i == 0 or not recipe.later_dtype_prompts
+            else min(recipe.later_dtype_prompts, eval_prompts or recipe.eval_prompts),
+            "max_new_tokens": recipe.eval_max_new_tokens,
+            "dtype": dtype, "ngram": ngram and i == 0, "device": device, "json_out": path, "progress": progress,
             "plot": os.path.join(run, f"acceptance-{dtype}.png") if i == 0 else None}))
         timings[f"eval {dtype}"] = time.perf_counter() - t
     return {"train": tr, "eval": evals}
@@ -312,7 +318,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     summary = {
         "recipe": "gpu", "preset": preset, "target": prep.target, "data": prep.counts,
         "regenerate": {k: prep.regen.get(k) for k in ("tokens_per_s_this_rank", "generated_tokens_this_rank",
-                                                      "generation_s_this_rank", "counts")} if prep.regen else None,
+                                                      "generation_s_this_rank", "engine_this_rank", "counts")} if prep.regen else None,
         "extract_tokens_per_s": (prep.extract or {}).get("tokens_per_s_this_rank"),
         "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
                   "ctx_tokens_per_s": sum(tps) / len(tps) if tps else None},

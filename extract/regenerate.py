@@ -885,6 +885,7 @@ def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
                "generated_tokens_this_rank": run_stats["generated_tokens"],
                "generation_s_this_rank": gen_s,
                "tokens_per_s_this_rank": run_stats["generated_tokens"] / gen_s if gen_s > 0 else 0.0,
+               "engine_this_rank": run_stats.get("engine"),  # decode steps, prefills, seconds per phase
                "counts": totals}
     if dist.is_main and totals is not None:
         if not todo:
@@ -989,5 +990,8 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                 last_post = now
     finally:
         bar.close()
-    return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0}
+    return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0,
+            "engine": {"decode_steps": eng.steps, "prefills": eng.prefills, "prompt_tokens": eng.prompt_tokens,
+                       "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
+                       "seconds": dict(eng.seconds)}}
 
