@@ -165,6 +165,9 @@ def test_structure_is_kept_and_turns_see_the_targets_own_answers(tiny, model, tm
     out = tmp_path / "out"
     summary = run_regenerate(_cfg(tiny, data, out))
     got = {r["source_row"]: r["messages"] for r in _read_parts(out)}
+    eng = summary["engine_this_rank"]  # where the generation's time went, for the benchmarks
+    assert eng["decode_steps"] >= 1 and eng["prefills"] >= 1 and eng["prompt_tokens"] == summary["counts"]["prompt_tokens"]
+    assert set(eng["seconds"]) == {"prefill", "decode", "batch_edit"}
     assert sorted(got) == [r for r in range(10) if r != 2]  # row 2 has no user turn before its first answer
 
     tok = load_tokenizer(tiny)
