@@ -124,3 +124,17 @@ def test_cli_refuses_a_cpu_only_flag_for_the_gpu_recipe(tmp_path):
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert r.returncode == 2 and "--train-prompts" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "w").exists()
+
+
+def test_demo_config_resolves_the_recipe_and_keeps_the_cpu_sizes():
+    from dflash.demo import CPU_SIZES, DemoConfig
+
+    c = DemoConfig(recipe="cpu").cpu()
+    assert (c.train_prompts, c.eval_prompts, c.train_steps, c.drafter_layers) == tuple(
+        CPU_SIZES[k] for k in ("train_prompts", "eval_prompts", "train_steps", "drafter_layers"))
+    assert c.workdir == "work/demo" and c.block_size == 4
+    assert DemoConfig(recipe="cpu", train_steps=7).cpu().train_steps == 7
+    assert DemoConfig(device="cpu").resolved_recipe() == "cpu"
+    assert DemoConfig(recipe="gpu", device="cpu").resolved_recipe() == "gpu"
+    with pytest.raises(ValueError, match="recipe"):
+        DemoConfig(recipe="tpu")
