@@ -341,7 +341,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
 @click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
 @click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
-def demo(**kw):
+@click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
+def demo(no_progress, **kw):
     """Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
 
     Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
@@ -351,7 +352,7 @@ def demo(**kw):
     """
     from dflash.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(**kw))
+    run_demo(DemoConfig(**kw, progress=not no_progress))
 
 
 if __name__ == "__main__":
