@@ -52,7 +52,8 @@ def point(ev: dict, train: dict, block: int, layers: int, steps: int, seconds: d
             "target_ms": ev["target"]["ms_per_step"]["total"],
             "identical": d["outputs_identical"], "prompts": ev["prompts"], "dtype": ev["dtype"],
             "near_tie": d["differences"]["near_tie"], "suspect": d["differences"]["suspect"],
-            "final_loss": (train.get("history") or [{}])[-1].get("loss"), "seconds": seconds}
+            "final_loss": (train.get("history") or [{}])[-1].get("loss"), "draft_graph": ev.get("draft_graph"),
+            "seconds": seconds}
 
 
 def table(rows: list[dict]) -> str:
@@ -77,7 +78,7 @@ def sweep(a, prep) -> dict:
     for block in _ints(a.blocks):
         for layers in _ints(a.layers):
             for steps in _ints(a.steps):
-                key = f"b{block}-l{layers}-s{steps}"
+                key = f"b{block}-l{layers}-s{steps}" + ("-graph" if a.draft_graph else "")
                 if key in results:
                     print(f"sweep: {key} done already: tau {results[key]['tau']:.2f}, "
                           f"speed-up {results[key]['speedup']:.2f}x", flush=True)
@@ -86,18 +87,21 @@ def sweep(a, prep) -> dict:
                 ngram = not any(r["block"] == block and r["tau_ngram"] is not None for r in results.values())
                 seconds: dict = {}
                 t = time.perf_counter()
-                out = train_and_eval(prep, os.path.join(a.workdir, "sweep", key), a.config, a.device, a.progress,
+                out = train_and_eval(prep, os.path.join(a.workdir, "sweep", f"b{block}-l{layers}-s{steps}"), a.config,
+                                     a.device, a.progress,
                                      train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps,
                                                       "save_every": steps},
                                      eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
-                                     ngram=ngram)
+                                     ngram=ngram, eval_overrides={"draft_graph": a.draft_graph},
+                                     eval_tag="graph" if a.draft_graph else "")
                 seconds["total"] = time.perf_counter() - t
                 results[key] = point(out["eval"][a.dtype], out["train"], block, layers, steps, seconds)
                 _save(res_path, results)
                 r = results[key]
                 print(f"sweep: {key}: tau {r['tau']:.2f}, speed-up {r['speedup']:.2f}x, "
                       f"{r['identical']}/{r['prompts']} identical, {seconds['total']:.0f} s", flush=True)
-    wanted = {f"b{b}-l{n}-s{s}" for b in _ints(a.blocks) for n in _ints(a.layers) for s in _ints(a.steps)}
+    tag = "-graph" if a.draft_graph else ""
+    wanted = {f"b{b}-l{n}-s{s}{tag}" for b in _ints(a.blocks) for n in _ints(a.layers) for s in _ints(a.steps)}
     rows = [results[k] for k in sorted(wanted & set(results))]
     for r in rows:  # the block's n-gram figures where this point did not measure them
         if r["tau_ngram"] is None:
@@ -194,6 +198,9 @@ def main():
     ap.add_argument("--eval-prompts", type=int, default=24, help="Held-out prompts per eval (the recipe's first N).")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--curve", action="store_true", help="The tau curve of the recipe's run instead of the sweep.")
+    ap.add_argument("--draft-graph", action="store_true",
+                    help="Evaluate with the drafter's block forward as one CUDA graph (points keyed '-graph'; the "
+                         "trained drafters of the same block/layers/steps are reused).")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--json", help="Write the results here.")

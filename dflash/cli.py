@@ -259,6 +259,8 @@ def train(preset, gpus, no_progress, **flags):
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @click.option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
 @click.option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
+@click.option("--draft-graph", is_flag=True, default=None,
+              help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_cmd(preset, no_progress, **flags):
     """Measure a drafter by real greedy speculative decoding: tau, speed-up, losslessness.

@@ -254,9 +254,10 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
 def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                    train_overrides: dict | None = None, eval_prompts: int | None = None,
                    eval_dtypes: list[str] | None = None, timings: dict | None = None,
-                   ngram: bool = True) -> dict[str, Any]:
+                   ngram: bool = True, eval_overrides: dict | None = None, eval_tag: str = "") -> dict[str, Any]:
     """Train a drafter into `run` (resumed when rerun) and evaluate RUN/final once per dtype (RUN/eval-DTYPE.json,
-    reused when newer than RUN/final); n-gram lookup runs in the first dtype when ngram is True.
+    reused when newer than RUN/final; eval_tag names variants, e.g. eval-bfloat16-graph.json); n-gram lookup runs
+    in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph).
     Returns {"train": summary, "eval": {dtype: report}}."""
     from dflash.config import build
     from train.eval import EvalConfig, run_eval
@@ -271,7 +272,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     timings["train"] = time.perf_counter() - t
     evals = {}
     for i, dtype in enumerate(eval_dtypes or recipe.eval_dtypes):
-        path = os.path.join(run, f"eval-{dtype}.json")
+        path = os.path.join(run, f"eval-{dtype}{'-' + eval_tag if eval_tag else ''}.json")
         if os.path.exists(path) and os.path.getmtime(path) > os.path.getmtime(os.path.join(run, "final")):
             with open(path) as f:
                 evals[dtype] = json.load(f)
@@ -283,7 +284,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
             else min(recipe.later_dtype_prompts, eval_prompts or recipe.eval_prompts),
             "max_new_tokens": recipe.eval_max_new_tokens,
             "dtype": dtype, "ngram": ngram and i == 0, "device": device, "json_out": path, "progress": progress,
-            "plot": os.path.join(run, f"acceptance-{dtype}.png") if i == 0 else None}))
+            "plot": os.path.join(run, f"acceptance-{dtype}.png") if i == 0 else None} | (eval_overrides or {})))
         timings[f"eval {dtype}"] = time.perf_counter() - t
     return {"train": tr, "eval": evals}
 

@@ -213,3 +213,41 @@ def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
     assert prompt_messages([u1, a1, u2, a1], 0, "x") == [u1]  # a finished conversation: its first turn
     with pytest.raises(Exception, match="row 3"):
         prompt_messages([a1], 3, "x")
+
+
+def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
+    """StaticDraft (fixed shapes: the whole context cache under a mask; a CUDA graph on a GPU) drafts what
+    draft_block drafts, and a proposer using it reuses one cache across prompts without leaking context."""
+    from train.eval import StaticDraft
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(model.config, num_layers=2, layer_ids=[1, 3], block_size=5,
+                                    mask_token_id=model.config.vocab_size - 1)
+    d = DFlashDrafter(cfg).float()
+    d.reset_parameters(std=0.2, seed=3)
+    d.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    t = Target(model, cfg.target_layer_ids)
+    t.reset()
+    _, hidden = t.forward(torch.tensor([PROMPTS[1]]), 0, hidden=True)
+    with torch.inference_mode():
+        cache = d.new_cache(1, 64)
+        d.extend_context(cache, hidden, torch.arange(len(PROMPTS[1]))[None])
+        static = StaticDraft(d, cache, capture=True)  # no capture on a CPU: the same forward, eagerly
+        for last, pos in ((7, 9), (123, 9), (5, 12)):
+            block = torch.tensor([[last] + [cfg.mask_token_id] * 4])
+            want = d.draft_block(cache, block, torch.arange(pos, pos + 5)[None]).argmax(-1)[0]
+            assert static(last, pos).tolist() == want.tolist()
+    eos = {int(model.config.eos_token_id)} if model.config.eos_token_id is not None else set()
+    eager, fixed = DFlashProposer(d, 200), DFlashProposer(d, 200, graph=True)
+    drafts = {"eager": [], "fixed": []}
+    for name, prop in (("eager", eager), ("fixed", fixed)):
+        inner = prop.propose
+        prop.propose = lambda seq, last, pos, inner=inner, log=drafts[name]: log.append(
+            inner(seq, last, pos).tolist()) or torch.tensor(log[-1])
+    for prompt in PROMPTS:  # the fixed proposer's cache is reused prompt after prompt
+        a = speculative(t, eager, prompt, 30, eos)
+        b = speculative(t, fixed, prompt, 30, eos)
+        assert b.tokens == a.tokens == greedy(t, prompt, 30, eos).tokens
+        assert b.accept_lengths == a.accept_lengths
+    assert drafts["fixed"] == drafts["eager"] and len(drafts["eager"]) > 20
+    assert fixed.graph_status == "static" and eager.graph_status == "off"

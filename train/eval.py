@@ -24,7 +24,7 @@ import torch
 
 from dflash.config import check
 
-from .model import DFlashDrafter, load_drafter
+from .model import DFlashDrafter, attend, load_drafter, rope_cos_sin
 
 
 @dataclass
@@ -46,6 +46,7 @@ class EvalConfig:
     ngram: bool = True  # also run n-gram prompt lookup (the free baseline)
     warmup_prompts: int = 2  # decoded by every method before the timed runs (kernels, allocator, caches)
     tie_margin: float = 0.5  # a differing output whose first differing token had a top-2 logit gap below this is a near tie
+    draft_graph: bool = False  # the drafter's block forward as one CUDA graph (self-checked; eager on a CPU)
     progress: bool = True
 
     def __post_init__(self):
@@ -134,22 +135,97 @@ class NoDraft:
         return []
 
 
+class StaticDraft:
+    """The drafter's block forward at fixed shapes: attention over the whole preallocated context cache with a
+    mask of its filled positions, so nothing depends on the context length and the forward can be captured as
+    one CUDA graph (captured on the first call on a GPU, replayed after; run eagerly on a CPU, where it is
+    tested against DFlashDrafter.draft_block). Inputs are copied into static buffers: no host sync."""
+
+    def __init__(self, drafter: DFlashDrafter, cache, capture: bool):
+        self.d, self.cache = drafter, cache
+        B, dev = drafter.cfg.block_size, cache.k[0].device
+        self.block = torch.full((1, B), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
+        self.positions = torch.zeros(1, B, dtype=torch.long, device=dev)
+        self.offsets = torch.arange(B, device=dev)[None]
+        self.n = torch.zeros((), dtype=torch.long, device=dev)
+        self.kidx = torch.arange(cache.max_len, device=dev)
+        self.capture = capture and dev.type == "cuda"
+        self.graph = None
+        self.out = None
+
+    def forward(self) -> torch.Tensor:
+        d, c = self.d, self.cache
+        B = self.block.shape[1]
+        x = d.embed(self.block)
+        cos, sin = rope_cos_sin(d.inv_freq, self.positions, x.dtype)
+        visible = torch.cat([self.kidx < self.n, self.kidx.new_ones(B, dtype=torch.bool)])  # [max_len + B]
+        mask = visible[None, None, None, :].expand(1, 1, B, visible.shape[0])
+        for i, layer in enumerate(d.layers):
+            att = layer.self_attn
+            m = mask
+            if att.window is not None:
+                kpos = torch.cat([c.pos, self.positions], 1)
+                m = mask & (self.positions[:, :, None] - kpos[:, None, :] < att.window)[:, None]
+            h = layer.input_layernorm(x)
+            k_blk, v_blk = att.kv(h, cos, sin)
+            q = att.q(h, cos, sin)
+            o = attend(q, torch.cat([c.k[i], k_blk], 2), torch.cat([c.v[i], v_blk], 2), m, "sdpa")
+            x = x + att.out(o)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.logits(x[:, 1:]).argmax(-1)[0]
+
+    def _capture(self) -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.forward()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.out = self.forward()
+        self.graph = graph
+
+    @torch.inference_mode()
+    def __call__(self, last, pos: int) -> torch.Tensor:
+        self.block[0, 0] = last
+        self.positions.copy_(self.offsets + pos)
+        self.n.fill_(self.cache.length)
+        if not self.capture:
+            return self.forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        return self.out.clone()  # the next replay overwrites self.out
+
+
 class DFlashProposer:
-    """Drafts B-1 tokens after the last confirmed token in one drafter forward (returned on the device)."""
+    """Drafts B-1 tokens after the last confirmed token in one drafter forward (returned on the device).
+
+    graph=True: the block forward runs at fixed shapes (StaticDraft), as one CUDA graph on a GPU. The first
+    draft of the first prompt is checked against the eager forward; on a mismatch (or a failed capture) the
+    proposer says so and stays eager."""
 
     name = "dflash"
     needs_hidden = True
 
-    def __init__(self, drafter: DFlashDrafter, max_len: int):
+    def __init__(self, drafter: DFlashDrafter, max_len: int, graph: bool = False):
         self.d = drafter
         self.block_size = drafter.cfg.block_size
         self.max_len = max_len
         dev = drafter.fc.weight.device
         self._block = torch.full((1, self.block_size), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
         self._offsets = torch.arange(self.block_size, device=dev)[None]
+        self.graph = graph
+        self.cache = None
+        self.static: StaticDraft | None = None
+        self.graph_status = "off" if not graph else "unchecked"
 
     def start(self, prompt_hidden: torch.Tensor) -> None:
-        self.cache = self.d.new_cache(1, self.max_len)
+        if self.cache is None or not self.graph:
+            self.cache = self.d.new_cache(1, self.max_len)
+        else:
+            self.cache.length = 0  # the same buffers for every prompt: a captured graph reads them
         self.observe(prompt_hidden, 0)
 
     @torch.inference_mode()
@@ -160,10 +236,27 @@ class DFlashProposer:
         self.d.extend_context(self.cache, hidden, pos)
 
     @torch.inference_mode()
-    def propose(self, seq: list[int], last: int | torch.Tensor, pos: int) -> torch.Tensor:
+    def _eager(self, last, pos: int) -> torch.Tensor:
         block = self._block.clone()
         block[0, 0] = last  # a device scalar (the verify step's bonus token) or an int: no host sync either way
         return self.d.draft_block(self.cache, block, self._offsets + pos).argmax(-1)[0]
+
+    def propose(self, seq: list[int], last: int | torch.Tensor, pos: int) -> torch.Tensor:
+        if self.graph_status in ("off", "eager"):
+            return self._eager(last, pos)
+        if self.graph_status == "unchecked":
+            want = self._eager(last, pos)
+            try:
+                self.static = StaticDraft(self.d, self.cache, capture=True)
+                got = self.static(last, pos)
+                why = None if bool((got == want).all()) else "its draft differs from the eager forward's"
+            except Exception as e:  # noqa: BLE001 - a failed capture leaves the eager forward, and says why
+                why = f"{type(e).__name__}: {e}"
+            if why:
+                print(f"eval: the drafter's static forward is not used ({why}); drafting eagerly", flush=True)
+            self.graph_status = "eager" if why else ("graph" if self.static.capture else "static")
+            return want
+        return self.static(last, pos)
 
 
 class NgramProposer:
@@ -472,7 +565,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         eos = {int(i) for i in ids if i is not None}
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
-    props = [NoDraft(), DFlashProposer(drafter, max_len)] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
+    dflash = DFlashProposer(drafter, max_len, graph=cfg.draft_graph)
+    props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
     runs: dict[str, list[Decode]] = {n: [] for n in names}
     # warm-up outside the timings: every method on the first prompts (kernels, allocator, lazy inits)
@@ -503,7 +597,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         r["differences"] = classify_differences(ref, outs, cfg.tie_margin)
     report = {
         "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
-        "block_size": B, "drafter_layers": len(drafter.layers),
+        "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
     }
