@@ -11,9 +11,11 @@ The generator (Engine) is a plain decoding loop over the HF causal LM (no `model
     of the softmax is empty and no NaN can reach a real token);
   * a KV cache (`SlabCache`, a transformers DynamicCache whose layers write into preallocated buffers that grow
     by amortised steps instead of a torch.cat of the whole cache at every token);
-  * a row leaves the batch when it emits an end-of-sequence id or reaches its max-new-tokens: its rows are dropped
-    from the cache and from the running tensors (and cache columns that became padding for every remaining row
-    are cut), so compute shrinks with the batch;
+  * a row is done when it emits an end-of-sequence id or reaches its max-new-tokens; done rows stay in the batch
+    (decoded, their tokens ignored) until they are a quarter of it (or of the refill threshold), then one
+    compaction drops them from the cache and the running tensors (and cuts cache columns that became padding for
+    every remaining row): one cache copy per quarter of the batch finished, not one per step in which a row ends
+    (at batch 1024 a row ends nearly every step, and each copy moves the whole cache);
   * free slots are refilled from a queue of waiting prompts (longest first within a part): the newcomers are
     prefilled together (only the last position's logits are computed) and merged into the running batch, their
     cache right-aligned with it. A multi-turn conversation's next turn joins the queue as soon as its previous
@@ -242,6 +244,7 @@ class Result:
 class _Row:
     req: Request
     out: list[int] = field(default_factory=list)
+    done: bool = False  # finished, still in the batch until the next compaction (its tokens are ignored)
 
 
 def eos_ids_of(model, tokenizer=None) -> set[int]:
@@ -356,6 +359,8 @@ class Engine:
         self.generated = 0
         self.prompt_tokens = 0
         self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}  # wall time per phase (host-synced)
+        self.dead = 0  # finished rows still in the batch
+        self.compactions = 0
 
     # -- queue --------------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -407,7 +412,7 @@ class Engine:
         """Prefill one chunk of waiting prompts (within the budgets) into the batch: (admitted, finished)."""
         free = self.batch_size - len(self.rows)
         n_now = 0 if self.mask is None else self.mask.shape[1]
-        reach = max((r.req.max_new_tokens - len(r.out) for r in self.rows), default=0)
+        reach = max((r.req.max_new_tokens - len(r.out) for r in self.rows if not r.done), default=0)
         chosen: list[Request] = []
         width = 0
         while self.pending and len(chosen) < free:
@@ -474,25 +479,31 @@ class Engine:
         return self._emit(self.last.tolist(), start=0)
 
     def _emit(self, tokens: list[int], start: int) -> list[Result]:
-        """Append tokens to rows start.., retire the rows that are done (returned as Results)."""
-        done, keep = [], list(range(start))
+        """Append tokens to the live rows start.. and return the rows that finished as Results. A finished row stays
+        in the batch (decoded, its tokens ignored) until the finished rows are a quarter of the batch or of the
+        refill threshold: then one compaction copies the cache once, instead of once per step in which a row ends."""
+        done = []
         for i, t in enumerate(tokens, start):
             row = self.rows[i]
+            if row.done:
+                continue
             row.out.append(t)
             self.generated += 1
             stop = t in self.eos
             if stop or len(row.out) >= row.req.max_new_tokens:
                 toks = row.out[:-1] if stop else row.out
                 done.append(Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out)))
-            else:
-                keep.append(i)
-        if done:
+                row.done = True
+                self.dead += 1
+        if self.dead and self.dead >= max(1, min(self.refill, len(self.rows) // 4)):
             t = time.perf_counter()
-            self._retain(keep)
+            self._retain([i for i, r in enumerate(self.rows) if not r.done])
             self.seconds["batch_edit"] += time.perf_counter() - t
         return done
 
     def _retain(self, keep: list[int]) -> None:
+        self.dead = 0
+        self.compactions += 1
         if not keep:
             self.rows, self.cache, self.mask, self.last, self.pos = [], None, None, None, None
             return

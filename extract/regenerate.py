@@ -475,7 +475,8 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
     finally:
         bar.close()
     return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0,
-            "engine": {"decode_steps": eng.steps, "prefills": eng.prefills, "prompt_tokens": eng.prompt_tokens,
+            "engine": {"decode_steps": eng.steps, "prefills": eng.prefills, "compactions": eng.compactions,
+                       "prompt_tokens": eng.prompt_tokens,
                        "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
                        "seconds": dict(eng.seconds)}}
 
