@@ -89,8 +89,8 @@ def sweep(a, prep) -> dict:
                 t = time.perf_counter()
                 out = train_and_eval(prep, os.path.join(a.workdir, "sweep", f"b{block}-l{layers}-s{steps}"), a.config,
                                      a.device, a.progress,
-                                     train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps,
-                                                      "save_every": steps},
+                                     # the preset's save_every: a point killed mid-training resumes from a checkpoint
+                                     train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps},
                                      eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
                                      ngram=ngram, eval_overrides={"draft_graph": a.draft_graph},
                                      eval_tag="graph" if a.draft_graph else "")
