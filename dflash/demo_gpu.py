@@ -223,10 +223,13 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     timings: dict[str, float] = {}
     t = time.perf_counter()
     if target is None:
-        from dflash.demo import smollm2_gguf
-        from extract.target import convert_gguf
+        target = os.path.join(workdir, "target")
+        if not (os.path.exists(os.path.join(target, "config.json"))
+                and os.path.exists(os.path.join(target, "tokenizer_config.json"))):  # converted once, then reused
+            from dflash.demo import smollm2_gguf
+            from extract.target import convert_gguf
 
-        target = convert_gguf(smollm2_gguf(), os.path.join(workdir, "target"))
+            target = convert_gguf(smollm2_gguf(), target)
     timings["prepare target"] = time.perf_counter() - t
     t = time.perf_counter()
     train_jsonl, held, counts = prepare_data(workdir, recipe)
