@@ -1,0 +1,145 @@
+"""Data parallel training is the training of one big batch: real torchrun, 2 CPU processes over gloo.
+
+What a user pays for when DDP breaks is a drafter trained on half its data (a gradient all-reduce that
+went missing: each rank drifts on its own rows), or a dashboard that shows one rank's loss (a metrics
+all-reduce that went missing). The torchrun smoke test in tests/test_train.py passes either way; these
+tests do not:
+
+    two ranks hold identical weights after N steps (every parameter, bit for bit: they apply the same
+        averaged gradient to the same weights);
+    two ranks with batch b follow one process with batch 2b, step by step: the same logged loss and
+        gradient norm, and the same weights after N steps, within float32 rounding (derivation below).
+        The reader gives rank r the r-th slice of the global batch (Cache.epoch_order) and a row's anchors
+        depend on its slot in the step's global batch (Trainer.anchor_scores), so both see the same rows and
+        the same anchors;
+    a two-rank run killed after a checkpoint and rerun under torchrun ends bit for bit where the
+        uninterrupted two-rank run ends.
+
+Tolerance. Both runs compute in float32 on CPU; only the grouping of sums differs (each rank sums over its
+b rows, then the all-reduce averages two partial means; one process sums over 2b rows). Every micro-batch
+carries the same weight (tests/workload.py), so the two agree exactly in real arithmetic. A reassociated
+float32 sum of n terms moves by at most ~n * 2^-24 relative, and in practice ~sqrt(n) * 2^-24: here
+n = 4 rows x 6 blocks x 1 label and, for gradients, a few hundred summed products per entry, so ~1e-6
+relative. AdamW's update lr * m / (sqrt(v) + eps) carries a relative gradient error through at the same
+relative size (times lr = 3e-3 per step), so after 4 steps the weights (entries ~0.02-1) differ by
+< 4 * 3e-3 * 1e-5 ~ 1e-7. We allow 1e-5 relative on the logged loss and gradient norm and 1e-5 absolute on
+weights: ~10-100x the expected rounding, and far below what either missing all-reduce causes (measured:
+a missing gradient all-reduce moves weights by ~1e-3 and makes the ranks differ; a missing metrics
+all-reduce moves the logged loss by ~1e-2 relative).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from dflash.cli import main as cli_main
+from tests.workload import PAIRED, make_workload
+
+PY = sys.executable
+REPO = Path(__file__).resolve().parent.parent
+STEPS = 4
+LOSS_RTOL = 1e-5
+WEIGHT_ATOL = 1e-5
+
+# `dflash train` whose every rank also writes the weights it ends with to RUN/rank<r>.safetensors
+DUMPING = """
+import os, sys
+from safetensors.torch import save_file
+import train.trainer as t
+_train = t.Trainer.train
+def train(self):
+    out = _train(self)
+    save_file({k: v.detach().contiguous() for k, v in self.model.state_dict().items()},
+              os.path.join(self.cfg.out, f"rank{self.dist.rank}.safetensors"))
+    return out
+t.Trainer.train = train
+from dflash.cli import main
+sys.argv = ["dflash", *sys.argv[1:]]
+main()
+"""
+
+
+def _env() -> dict:
+    import os
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "WANDB_MODE", "WANDB_PROJECT"):
+        env.pop(k, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    w = make_workload(tmp_path_factory.mktemp("ddp"))
+    assert w["rows"] >= STEPS * 4, w  # every step's global batch of 4 rows is real (no filler rows)
+    return w
+
+
+def args(w, out: Path, batch_rows: int) -> list[str]:
+    return ["train", "--cache", str(w["cache"]), "--target", w["target"], "--out", str(out), *PAIRED,
+            "--batch-rows", str(batch_rows), "--max-steps", str(STEPS), "--save-every", "2"]
+
+
+def torchrun(w, out: Path, batch_rows: int) -> None:
+    script = out.parent / "dumping_train.py"
+    script.write_text(DUMPING)
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script),
+                        *args(w, out, batch_rows)], cwd=REPO, env=_env(), capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+
+
+def records(run: Path) -> list[dict]:
+    return [json.loads(ln) for ln in (run / "metrics.jsonl").read_text().splitlines() if ln.strip()]
+
+
+def assert_weights_close(a: dict, b: dict, atol: float, what: str) -> None:
+    assert a.keys() == b.keys()
+    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+    assert worst <= atol, f"{what}: weights differ by up to {worst:.3g} (allowed {atol:g})"
+
+
+def test_two_ranks_are_one_process_with_the_global_batch_and_resume_exactly(work, tmp_path):
+    ddp, one, cut = tmp_path / "ddp", tmp_path / "one", tmp_path / "cut"
+    torchrun(work, ddp, batch_rows=2)
+    r = CliRunner().invoke(cli_main, args(work, one, batch_rows=4), catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert json.loads((ddp / "run.json").read_text())["config"]["world"] == 2
+
+    # 1. the ranks hold the same weights, bit for bit
+    w0, w1 = load_file(str(ddp / "rank0.safetensors")), load_file(str(ddp / "rank1.safetensors"))
+    assert all(torch.equal(w0[k], w1[k]) for k in w0), "ranks diverged: the gradients were not averaged"
+    assert any(not torch.equal(w0[k], v) for k, v in load_file(str(one / "checkpoints" / "step_00000002" / "model.safetensors")).items())
+
+    # 2. two ranks x batch 2 follow one process x batch 4, step by step
+    rd, ro = records(ddp), records(one)
+    assert [x["step"] for x in rd] == [x["step"] for x in ro] == list(range(1, STEPS + 1))
+    for a, b in zip(rd, ro):
+        assert a["loss"] == pytest.approx(b["loss"], rel=LOSS_RTOL), (a["step"], a["loss"], b["loss"])
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=LOSS_RTOL), (a["step"], a["grad_norm"], b["grad_norm"])
+        assert a["tau_expected"] == pytest.approx(b["tau_expected"], rel=LOSS_RTOL)
+    final_one = load_file(str(one / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors"))
+    assert_weights_close(w0, final_one, WEIGHT_ATOL, "2 ranks x batch 2 vs 1 process x batch 4")
+
+    # 3. killed after the step-2 checkpoint (as a crash would leave it) and rerun under torchrun: bit-exact
+    shutil.copytree(ddp, cut)
+    for p in ("final", "summary.json", "rank0.safetensors", "rank1.safetensors", f"checkpoints/step_{STEPS:08d}"):
+        shutil.rmtree(cut / p) if (cut / p).is_dir() else (cut / p).unlink()
+    (cut / "checkpoints" / "latest").write_text("step_00000002")
+    torchrun(work, cut, batch_rows=2)
+    assert [x["step"] for x in records(cut)] == list(range(1, STEPS + 1))
+    assert [x["loss"] for x in records(cut)] == [x["loss"] for x in rd]
+    assert json.loads((cut / "summary.json").read_text())["steps_this_run"] == STEPS - 2
+    c0, c1 = load_file(str(cut / "rank0.safetensors")), load_file(str(cut / "rank1.safetensors"))
+    assert all(torch.equal(c0[k], w0[k]) and torch.equal(c1[k], w0[k]) for k in w0)
