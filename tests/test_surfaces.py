@@ -158,7 +158,7 @@ def test_corrupt_small_arrays_are_named_by_verify_and_refused_by_the_reader(tmp_
     from tests.test_cache import make_spec, write_cache
 
     path = tmp_path / "c"
-    write_cache(path, make_spec(num_rows=8, rows_per_shard=2))
+    write_cache(path, make_spec(num_rows=10, rows_per_shard=2))
     assert dflash_cache.verify(path).ok
 
     def chunk(shard: int, name: str) -> Path:
@@ -172,25 +172,29 @@ def test_corrupt_small_arrays_are_named_by_verify_and_refused_by_the_reader(tmp_
     f = chunk(1, "loss_mask")  # truncated
     f.write_bytes(f.read_bytes()[:-3])
     chunk(2, "doc_ids").unlink()  # deleted
+    # a well-formed chunk holding other data (another shard's): it decodes; only its checksum can tell
+    chunk(3, "input_ids").write_bytes(chunk(4, "input_ids").read_bytes())
+    bad = {0: "input_ids", 1: "loss_mask", 2: "doc_ids", 3: "input_ids"}
 
     rep = dflash_cache.verify(path)
-    assert sorted(rep.bad) == [0, 1, 2] and rep.shards_ok == [3]
-    for shard, name in ((0, "input_ids"), (1, "loss_mask"), (2, "doc_ids")):
+    assert sorted(rep.bad) == [0, 1, 2, 3] and rep.shards_ok == [4]
+    for shard, name in bad.items():
         assert any(name in problem for problem in rep.bad[shard]), (shard, rep.bad[shard])
+    assert "checksum mismatch" in " ".join(rep.bad[3])
 
     cache = dflash_cache.open(path)
-    for shard, name in ((0, "input_ids"), (1, "loss_mask"), (2, "doc_ids")):
+    for shard, name in bad.items():
         with pytest.raises(CacheCorruptError, match=f"shard {shard}\\b.*{name}"):
             cache[2 * shard]
-    with pytest.raises(CacheCorruptError, match="shard [012]\\b"):
-        list(cache.batches(2, check=True))
-    assert int(cache[6]["input_ids"].shape[0]) > 0  # the intact shard reads
+    with pytest.raises(CacheCorruptError, match="shard [0-3]\\b"):  # the training iterator, as the trainer reads
+        list(dflash_cache.open(path).batches(1, epochs=1, check=True))
+    assert int(cache[8]["input_ids"].shape[0]) > 0  # the intact shard reads
 
     res = subprocess.run([PY, "-m", "dflash", "cache", "verify", str(path)], cwd=REPO, env=_env(),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 1, res.stdout + res.stderr
-    bad = {ln.split()[2].rstrip(":"): ln for ln in res.stdout.splitlines() if ln.startswith("BAD shard")}
-    assert set(bad) == {"000000", "000001", "000002"}, res.stdout
+    lines = {ln.split()[2].rstrip(":"): ln for ln in res.stdout.splitlines() if ln.startswith("BAD shard")}
+    assert set(lines) == {"000000", "000001", "000002", "000003"}, res.stdout
     assert "input_ids" in res.stdout and "loss_mask" in res.stdout and "doc_ids" in res.stdout, res.stdout
 
 
