@@ -8,6 +8,7 @@ valid anchor) and every row holding at least NUM_ANCHORS valid anchors, each row
 NUM_ANCHORS * w_1: the comparison is then exact in real arithmetic, and only float32 rounding remains.
 
     make_workload(root) -> {"target", "cache", "rows", "min_valid_anchors"}
+    hf_greedy(model, prompt, max_new, eos) -> token ids   # the independent greedy reference of the eval tests
 """
 
 from __future__ import annotations
@@ -55,3 +56,19 @@ def make_workload(root: Path) -> dict:
     c = dflash_cache.open(str(cache))
     counts = valid_anchor_counts(c)
     return {"target": target, "cache": cache, "rows": len(c), "min_valid_anchors": min(counts)}
+
+
+def hf_greedy(model, prompt: list[int], max_new: int, eos: set[int] = frozenset()) -> list[int]:
+    """Greedy decoding straight over the HF model, recomputing the whole sequence at every token: no KV
+    cache, no dflash wrapper, nothing shared with train/eval.py. Stops after an eos id or max_new tokens."""
+    import torch
+
+    ids, out = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(max_new):
+            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            out.append(t)
+            ids.append(t)
+            if t in eos:
+                break
+    return out
