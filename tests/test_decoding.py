@@ -135,6 +135,8 @@ def test_an_end_of_sequence_token_inside_an_accepted_block_ends_the_output(tiny)
         dec = speculative(t, Oracle(p, ref, [BLOCK - 1], V), p, 40, eos)
         assert dec.tokens == want, (m, dec.tokens, want)
         assert dec.accept_lengths[-1] == BLOCK  # the eos came inside a fully accepted block
+        assert len(dec.accept_lengths) == (m - 1) // BLOCK + 1  # ... and decoding stopped there (no steps after
+        # the end: they would count in tau)
         assert sum(dec.accept_lengths) + 1 > len(want)  # ... that went past it: the rest was dropped
         assert greedy(t, p, 40, eos).tokens == want
     assert found >= 2, "no prompt gave a usable end-of-sequence position"
