@@ -226,7 +226,7 @@ def test_a_briefly_trained_drafter_decodes_with_a_higher_tau_than_an_untrained_o
     assert r.exit_code == 0, r.output
     r = run(cli_main, ["train", "--cache", str(root / "cache"), "--target", target, "--out", str(root / "run"),
                        "--drafter-layers", "1", "--block-size", str(BLOCK), "--num-anchors", "32", "--batch-rows", "4",
-                       "--max-steps", "400", "--lr", "3e-3", "--log-every", "100", "--no-progress"],
+                       "--max-steps", "600", "--lr", "3e-3", "--log-every", "100", "--no-progress"],
             catch_exceptions=False)
     assert r.exit_code == 0, r.output
 
