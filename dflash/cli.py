@@ -32,6 +32,19 @@ def known_errors() -> tuple[type[Exception], ...]:
     return (dflash_cache.CacheError, DflashError)
 
 
+def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
+    """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
+    must lie outside --out."""
+    from dflash.paths import check_apart, check_input_file, check_output_dir, check_output_file
+
+    check_output_file(json, "json")
+    check_output_file(plot, "plot")
+    if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
+        check_input_file(chat_template, "chat_template")
+    check_output_dir(out, "out")
+    check_apart(out, **inputs)
+
+
 def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
     """The --gpus convenience: re-run this command under torchrun on those GPUs (returns True if it did)."""
     if not gpus:
@@ -104,7 +117,8 @@ def cache_info(path, as_json):
     target = info.get("target", {})
     lines = [
         ("path", rep["path"]),
-        ("status", "complete" if rep["complete"] else f"INCOMPLETE ({rep['shards_committed']}/{rep['shards_planned']} shards committed)"),
+        ("status", ("complete" if rep["complete"] else f"INCOMPLETE ({rep['shards_committed']}/{rep['shards_planned']} shards committed)")
+         + " (from the metadata only: `dflash cache verify` re-reads and checks every byte)"),
         ("target", f"{target.get('name_or_path', '?')} ({target.get('num_layers', '?')} layers, hidden {m['hidden_size']})"),
         ("layers captured", str(m["layer_ids"])),
         ("rows", f"{rep['rows']} x {rep['seq_len']} tokens ({rep['shards_committed']} shards of {m['rows_per_shard']} rows)"),
@@ -125,8 +139,13 @@ def cache_info(path, as_json):
 @cache.command("verify")
 @click.argument("path")
 @click.option("--threads", default=4, show_default=True, help="Decoding threads.")
-def cache_verify(path, threads):
-    """Re-read every shard, check checksums and shapes; exit 1 naming every bad shard."""
+@click.option("--repair", is_flag=True, help="Un-commit every bad shard, so that rerunning the same `dflash extract` redoes them.")
+def cache_verify(path, threads, repair):
+    """Re-read every shard, check checksums and shapes; exit 1 naming every bad shard.
+
+    With --repair, bad shards are un-committed (and named): the next `dflash extract` with the same
+    settings rewrites exactly those. The exit code stays 1 until that extraction has run.
+    """
     from tqdm import tqdm
 
     c = dflash_cache.open(path, allow_incomplete=True)
@@ -140,6 +159,14 @@ def cache_verify(path, threads):
         head = ", ".join(f"{s:06d}" for s in rep.uncommitted[:20])
         more = f" (+{len(rep.uncommitted) - 20} more)" if len(rep.uncommitted) > 20 else ""
         click.echo(f"NOT COMMITTED ({len(rep.uncommitted)} shards): {head}{more} - rerun the extraction to finish them")
+    if repair and rep.bad:
+        from dflash_cache.inspect import uncommit
+        from dflash_cache.lock import OutputLock
+
+        with OutputLock(path, "dflash cache verify --repair"):  # not while an extract writes this cache
+            fixed = uncommit(path, list(rep.bad))
+        click.echo(f"repaired: un-committed {len(fixed)} shard(s) {', '.join(f'{s:06d}' for s in fixed)}; "
+                   "rerun the same `dflash extract` command to rewrite them")
     if not rep.ok:
         sys.exit(1)
     click.echo("OK")
@@ -179,6 +206,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 5 -m dflash extract ...   (or --gpus 0,1,2,3,4)
     """
+    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
+                data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "extract")
     from dflash.config import build, parse_int_list, parse_kv
     from extract.run import ExtractConfig, run_extract
@@ -241,6 +270,7 @@ def train(preset, gpus, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 3 -m dflash train ...   (or --gpus 5,6,7)
     """
+    check_paths(out=flags.get("out"))
     relaunch_with_gpus(gpus, "train")
     from dflash.config import build
     from train.trainer import TrainConfig, run_train
@@ -272,6 +302,7 @@ def eval_cmd(preset, no_progress, **flags):
 
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
     """
+    check_paths(json=flags.get("json_out"), plot=flags.get("plot"))
     from dflash.config import build, parse_kv
     from train.eval import EvalConfig, format_report, run_eval
 
@@ -320,6 +351,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     Then:       dflash extract --data OUT ...
     Multi-GPU:  torchrun --nproc-per-node 4 -m dflash regenerate ...   (or --gpus 0,1,2,3)
     """
+    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
+                data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "regenerate")
     from dflash.config import build, parse_kv
     from extract.regenerate import RegenerateConfig, run_regenerate

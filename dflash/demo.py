@@ -96,8 +96,10 @@ def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
     convs = chitchat_conversations()
     if cfg.train_prompts + cfg.eval_prompts > len(convs):
-        raise ValueError(f"chitchat has {len(convs)} usable conversations; asked for "
-                         f"{cfg.train_prompts} + {cfg.eval_prompts}")
+        from dflash.config import ConfigError
+
+        raise ConfigError(f"--train-prompts {cfg.train_prompts} + --eval-prompts {cfg.eval_prompts}: chitchat has only "
+                          f"{len(convs)} usable conversations")
     tr = convs[: cfg.train_prompts]
     he = convs[len(convs) - cfg.eval_prompts:]
     write_jsonl(train, [{"messages": [{"role": "user", "content": c["prompt"]},

@@ -109,3 +109,26 @@ def verify(path: str, threads: int = 4, progress: Callable[[int], None] | None =
             if progress:
                 progress(1)
     return rep
+
+
+def uncommit(path: str, shards: list[int]) -> list[int]:
+    """Un-commit these shards (their commit record is removed, their data left for the next writer to replace):
+    the next `dflash extract` with the same settings redoes exactly them. Returns the shards un-committed."""
+    from .format import COMMIT_KEY
+    from .writer import group_json
+
+    store = Store(path)
+    done = []
+    for s in sorted(set(shards)):
+        doc = store.get_json(f"{shard_key(s)}/zarr.json")
+        if doc is not None and COMMIT_KEY not in (doc.get("attributes") or {}):
+            continue
+        store.put(f"{shard_key(s)}/zarr.json", group_json({}))  # atomic: the shard is uncommitted, never half
+        done.append(s)
+    return done
+
+
+# Fields of a shard's commit record that differ between two runs writing the same shard (when it was written,
+# and by which writer). Everything else in a cache -- every chunk file, every array's zarr.json, the rest of
+# each commit record, and the root's attributes except info.run -- is byte-identical after a resume.
+VOLATILE_COMMIT_FIELDS = ("time", "writer")

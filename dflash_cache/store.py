@@ -243,8 +243,13 @@ class Store:
         return sorted(self._sync(collect()))
 
     def delete_prefix(self, prefix: str) -> None:
+        """Delete the key or the directory of keys `prefix` (nothing if absent)."""
         if self.local:
-            shutil.rmtree(self._p(prefix), ignore_errors=True)
+            p = self._p(prefix)
+            if os.path.isfile(p) or os.path.islink(p):
+                os.unlink(p)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
             return
         self._sync(self._zstore.delete_dir(prefix))
 

@@ -44,6 +44,7 @@ from .format import (
     NotACacheError,
     shard_key,
 )
+from .lock import LOCK_NAME
 from .store import PARTIAL, Codec, Store, crc32, zarr_compressors
 
 SMALL_CODEC = "zstd"  # token ids / masks / doc ids: tiny, and zstd shrinks them ~5-20x
@@ -156,7 +157,7 @@ def existing_root(store: Store, path: str) -> dict[str, Any] | None:
     except NotACacheError:
         if store.root_is_file():
             raise
-        if not [n for n in store.list_dir("") if not n.endswith(PARTIAL)]:
+        if not [n for n in store.list_dir("") if not n.endswith(PARTIAL) and not n.startswith(LOCK_NAME)]:
             return None
         try:
             return read_root(store)  # another writer may have created it since the first look
@@ -188,7 +189,9 @@ class CacheWriter:
         meta = spec.to_metadata()
         existing = existing_root(self.store, self.path)
         if existing is not None and overwrite and create:
-            self.store.delete_prefix("")
+            for name in self.store.list_dir(""):  # everything but the writer's lock (dflash_cache.lock)
+                if not name.startswith(LOCK_NAME):
+                    self.store.delete_prefix(name)
             existing = None
         if existing is not None:
             if existing.get("format_version") != FORMAT_VERSION:

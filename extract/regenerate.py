@@ -751,12 +751,21 @@ def _remove_ours(out: str) -> None:
             os.remove(os.path.join(out, name))
 
 
+def check_out(out: str) -> dict | None:
+    """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into)."""
+    from dflash_cache.lock import LOCK_NAME
+
+    old = read_meta(out) if os.path.isdir(out) else None
+    entries = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_NAME)) if os.path.isdir(out) else []
+    if old is None and entries:
+        raise ConfigError(f"--out: {out} exists and is not a dflash regenerate output (it holds "
+                          f"{', '.join(entries[:5])}); choose an empty or new directory")
+    return old
+
+
 def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
     """Create OUT or check that it holds this regeneration (rank 0 only). Never deletes files it did not write."""
-    old = read_meta(out) if os.path.isdir(out) else None
-    if old is None and os.path.isdir(out) and os.listdir(out):
-        raise ConfigError(f"--out: {out} exists and is not a dflash regenerate output (it holds "
-                          f"{', '.join(sorted(os.listdir(out))[:5])}); choose an empty or new directory")
+    old = check_out(out)
     if old is not None and old.get("format") != FORMAT:
         raise ConfigError(f"--out: {out}/{META_NAME} is not a {FORMAT} record; choose another directory")
     if old is not None and not overwrite:
@@ -827,10 +836,18 @@ def finalize(out: str, meta: dict) -> dict | None:
 
 
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
-    from dflash import progress
-    from dflash.dist import barrier, compute_init, print0, resolve_dtype
+    from dflash.dist import compute_init
+    from dflash.paths import output_lock
 
     dist = compute_init(cfg.device)
+    with output_lock(cfg.out, "regenerate", dist.is_main, precheck=check_out):  # one writer per OUT
+        return _run_regenerate(cfg, dist)
+
+
+def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
+    from dflash import progress
+    from dflash.dist import barrier, print0, resolve_dtype
+
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)
     show = cfg.progress and dist.is_main

@@ -26,6 +26,7 @@ import dflash_cache
 from dflash import progress
 from dflash.config import check
 from dflash.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.paths import output_lock
 from dflash_cache import CacheSpec, CacheWriter
 
 from .data import (
@@ -56,7 +57,7 @@ class ExtractConfig:
     max_samples: int | None = None
     seq_len: int = 2048
     layers: list[int] | None = None  # None: DFlash's rule (num_context_layers ids from 1 to L-3)
-    num_context_layers: int = 5
+    num_context_layers: int | None = None  # None: 5, or every id of the rule's range for a shallower target
     rows_per_shard: int = 0  # 0: about 512 MB of hidden states per shard
     batch_rows: int = 0  # rows per target forward; 0: ~16k tokens
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
@@ -76,7 +77,7 @@ class ExtractConfig:
         check(bool(self.out), "out", "is required (the cache path or URL)")
         check(self.seq_len >= 16, "seq_len", f"must be >= 16, got {self.seq_len}")
         check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be positive")
-        check(self.num_context_layers >= 1, "num_context_layers", "must be >= 1")
+        check(self.num_context_layers is None or self.num_context_layers >= 1, "num_context_layers", "must be >= 1")
         check(self.rows_per_shard >= 0, "rows_per_shard", f"must be >= 0 (0: about 512 MB per shard), got {self.rows_per_shard}")
         check(self.batch_rows >= 0, "batch_rows", f"must be >= 0 (0: about 16k tokens per forward), got {self.batch_rows}")
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
@@ -95,7 +96,21 @@ def plan_sizes(cfg: ExtractConfig, row_bytes: int) -> tuple[int, int]:
 
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
+    """The command; rank 0 holds the output's lock throughout (one writer per cache: dflash_cache.lock)."""
     dist = compute_init(cfg.device)
+    with output_lock(cfg.out, "extract", dist.is_main, precheck=_refuse_non_cache):
+        return _run_extract(cfg, dist)
+
+
+def _refuse_non_cache(out: str) -> None:
+    """An --out that exists and is not a dflash cache (a file, a user's folder) is never written into."""
+    from dflash_cache.store import Store
+    from dflash_cache.writer import existing_root
+
+    existing_root(Store(out), out)
+
+
+def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
@@ -109,8 +124,12 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     else:
         from train.model import default_layer_ids
 
+        L, K = tc.num_hidden_layers, cfg.num_context_layers
+        if K is not None and K > max(1, L - 3):
+            raise TargetError(f"--num-context-layers {K}: the default rule picks distinct layer ids from 1 to L-3 = {L - 3} "
+                              f"of {cfg.target} ({L} layers): at most {max(1, L - 3)}; or name them with --layers")
         try:
-            default = default_layer_ids(tc.num_hidden_layers, cfg.num_context_layers)
+            default = default_layer_ids(tc.num_hidden_layers, K or 5)
         except ValueError as e:  # a target too shallow for the rule: a clear error naming the flag, not a traceback
             raise TargetError(f"--layers: {e}") from e
         layer_ids = validate_layer_ids(default, tc.num_hidden_layers, cfg.target)
@@ -139,6 +158,9 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         "extraction": {"dtype": str(dtype).replace("torch.", ""), "attn": attn, "pad_id": int(pad_id)},
         "run": {"batch_rows": batch_rows, "world": dist.world, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
+    weights = _weights_record(cfg, tc) if dist.is_main else None
+    if weights is not None:
+        info["weights"] = weights
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
                      rows_per_shard=rows_per_shard, codec=cfg.codec, info=info)
     if dist.is_main:
@@ -146,6 +168,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
                              writer_id=f"rank{dist.rank}")
     barrier()
     if not dist.is_main:
+        recorded = dflash_cache.open(cfg.out, allow_incomplete=True).metadata.get("info", {}).get("weights")
+        if recorded is not None:  # rank 0 hashed the target and checked it; the other ranks adopt its record
+            info["weights"] = recorded
+        spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
+                         rows_per_shard=rows_per_shard, codec=cfg.codec, info=info)
         writer = CacheWriter(cfg.out, spec, threads=cfg.writer_threads, writer_id=f"rank{dist.rank}")
     mine = [s for s in range(spec.num_shards) if s % dist.world == dist.rank]
     todo = [s for s in mine if s not in writer.committed]
@@ -189,7 +216,34 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         print0(f"extract: wrote {done_tokens:,} real tokens on rank 0 in {elapsed:.1f} s "
                f"({summary['tokens_per_s_this_rank']:,.0f} tok/s); cache {'complete' if c.complete else 'INCOMPLETE'}: "
                f"{len(c)} rows, {c.real_tokens:,} real tokens -> {cfg.out}")
+        if not todo and mine:
+            print0(f"extract: nothing to do: every shard was already committed (not re-read: `dflash cache verify "
+                   f"{cfg.out}` checks every byte, and --repair un-commits bad shards for the next run to redo)")
     return summary
+
+
+def _weights_record(cfg: ExtractConfig, tc) -> dict | None:
+    """The content fingerprint of the target's weights for the cache's root (info.weights), checked against the
+    existing cache on resume: other weights are an error naming the tensor. None for a cache written before
+    fingerprints were recorded (resumed without the check, with a note)."""
+    from dflash.weights import compare_full, fingerprint
+    from dflash_cache.store import Store
+    from dflash_cache.writer import existing_root
+
+    fp = fingerprint(cfg.target, tied=bool(getattr(tc, "tie_word_embeddings", False)))
+    existing = None if cfg.overwrite else existing_root(Store(cfg.out), cfg.out)
+    if existing is None:
+        return fp.as_dict()
+    recorded = (existing.get("info") or {}).get("weights")
+    if recorded is None:
+        print0(f"extract: note: {cfg.out} records no content fingerprint of its target's weights (written by an older "
+               f"dflash): cannot check that the new shards come from the same weights as the old ones")
+        return None
+    diff = compare_full(recorded, fp)
+    if diff:
+        raise TargetError(f"--target {cfg.target}: the cache {cfg.out} was extracted from other weights ({diff}); "
+                          "resume with the target it was started with, or pass --overwrite to start over")
+    return fp.as_dict()
 
 
 def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> int:

@@ -28,7 +28,7 @@ from click.testing import CliRunner
 import dflash_cache
 from dflash.cli import argv_without_gpus
 from dflash.cli import main as cli_main
-from dflash.config import CONFIG_DIR, build
+from dflash.config import CONFIG_DIR, ConfigError, build
 from dflash.dist import torchrun_command
 from dflash_cache import CacheCorruptError
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
@@ -109,7 +109,7 @@ def test_torchrun_command_and_environment():
     assert env["OMP_NUM_THREADS"] == "4"  # the caller's setting wins
     assert torchrun_command("dflash", [], "0", {})[1]["OMP_NUM_THREADS"] == "1"
     for bad in ("", ",", "a,b", "0;1", "-1"):
-        with pytest.raises(SystemExit, match="--gpus"):
+        with pytest.raises(ConfigError, match="--gpus"):
             torchrun_command("dflash", argv, bad, {})
 
 

@@ -43,9 +43,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.errors import DflashError
+
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
+
+
+class DrafterError(DflashError, ValueError):
+    """A drafter config, checkpoint or target head that cannot be used (one `error:` line in the CLI)."""
 
 
 def default_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
@@ -56,7 +62,7 @@ def default_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     if end < start:
-        raise ValueError(f"a target with {num_target_layers} layers is too shallow for the default layer rule; pass layer ids")
+        raise DrafterError(f"a target with {num_target_layers} layers is too shallow for the default layer rule; pass layer ids")
     k = min(k, end - start + 1)
     if k == 1:
         return [start]
@@ -103,7 +109,7 @@ class DrafterConfig:
         ]
         for ok, name, msg in checks:
             if not ok:
-                raise ValueError(f"drafter config: {name} {msg} (got {getattr(self, name)!r})")
+                raise DrafterError(f"drafter config: {name} {msg} (got {getattr(self, name)!r})")
 
     @property
     def num_context_layers(self) -> int:
@@ -150,7 +156,7 @@ class DrafterConfig:
                              max_position_embeddings=40960),
         }
         if name not in sizes:
-            raise ValueError(f"unknown drafter size {name!r} (known: {sorted(sizes)})")
+            raise DrafterError(f"unknown drafter size {name!r} (known: {sorted(sizes)})")
         return cls(**{**sizes[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -210,7 +216,7 @@ def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     else:
-        raise ValueError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        raise DrafterError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
     return inv.float()
 
 
@@ -478,7 +484,7 @@ class DFlashDrafter(nn.Module):
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
         for name, w in (("embed", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(w.shape) != (V, H):
-                raise ValueError(f"target {name} weight has shape {tuple(w.shape)}, the drafter expects {(V, H)}")
+                raise DrafterError(f"target {name} weight has shape {tuple(w.shape)}, the drafter expects {(V, H)}")
         dtype = self.fc.weight.dtype
         self.embed_weight = embed_weight.detach().to(self.fc.weight.device, dtype).clone()
         self.lm_head_weight = lm_head_weight.detach().to(self.fc.weight.device, dtype).clone()
@@ -586,7 +592,7 @@ class ContextCache:
     def append(self, ks, vs, positions):
         L = ks[0].shape[2]
         if self.length + L > self.max_len:
-            raise ValueError(f"drafter context cache is full ({self.max_len} positions)")
+            raise DrafterError(f"drafter context cache is full ({self.max_len} positions)")
         s = slice(self.length, self.length + L)
         for i in range(len(ks)):
             self.k[i][:, :, s] = ks[i]
@@ -773,13 +779,13 @@ def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None =
 
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
+        raise DrafterError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
     with open(cfg_path) as f:
         cfg = config_from_servable(json.load(f))
     sd = load_file(os.path.join(path, WEIGHTS_NAME))
     model = DFlashDrafter(cfg, attn_impl=attn_impl)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise DrafterError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     dtype = dtype or next(iter(sd.values())).dtype
     return model.to(device=device, dtype=dtype)
