@@ -74,8 +74,8 @@ def hf_block_hidden(pair, tokens: torch.Tensor, start: int) -> torch.Tensor:
     mask = torch.zeros(1, 1, tokens.shape[1], tokens.shape[1])  # additive: every key visible
     with torch.no_grad():
         out = layer(x, attention_mask=mask, position_ids=pos, position_embeddings=cos_sin)
-    out = out[0] if isinstance(out, tuple) else out
-    return d.norm(out)
+        out = out[0] if isinstance(out, tuple) else out
+        return d.norm(out)
 
 
 def test_draft_block_with_an_empty_context_is_a_qwen3_layer(pair):
