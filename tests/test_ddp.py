@@ -145,3 +145,20 @@ def test_two_ranks_are_one_process_with_the_global_batch_and_resume_exactly(work
     assert json.loads((cut / "summary.json").read_text())["steps_this_run"] == STEPS - 2
     c0, c1 = load_file(str(cut / "rank0.safetensors")), load_file(str(cut / "rank1.safetensors"))
     assert all(torch.equal(c0[k], w0[k]) and torch.equal(c1[k], w0[k]) for k in w0)
+
+
+def test_rank_r_reads_the_r_th_slice_of_the_global_batch(work):
+    """The reader's side of the comparison above (and of tests/test_accum.py): with world ranks x batch b, rank
+    r's rows of step s are rows [r*b, (r+1)*b) of one process's step s with batch world*b; with
+    accumulation, micro-batch a of a step is slice a. Checked over two epochs (other permutations)."""
+    import dflash_cache
+
+    cache = dflash_cache.open(str(work["cache"]))
+    for epoch in (0, 1):
+        whole, whole_valid = cache.epoch_order(4, 0, 1, epoch, seed=1)
+        assert whole_valid.all()
+        for r in (0, 1):
+            part, _ = cache.epoch_order(2, r, 2, epoch, seed=1)
+            assert (part == whole[:, 2 * r:2 * r + 2]).all(), (epoch, r)
+        micro, _ = cache.epoch_order(2, 0, 1, epoch, seed=1)
+        assert (micro.reshape(-1, 2, 2) == whole.reshape(-1, 2, 2)).all()
