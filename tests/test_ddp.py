@@ -111,12 +111,19 @@ def assert_weights_close(a: dict, b: dict, atol: float, what: str) -> None:
     assert worst <= atol, f"{what}: weights differ by up to {worst:.3g} (allowed {atol:g})"
 
 
-def test_two_ranks_are_one_process_with_the_global_batch_and_resume_exactly(work, tmp_path):
-    ddp, one, cut = tmp_path / "ddp", tmp_path / "one", tmp_path / "cut"
-    torchrun(work, ddp, batch_rows=2)
+@pytest.fixture(scope="module")
+def ddp(work, tmp_path_factory):
+    """The two-rank run (torchrun, batch 2 per rank), shared by the tests below."""
+    run = tmp_path_factory.mktemp("ddp_run") / "ddp"
+    torchrun(work, run, batch_rows=2)
+    assert json.loads((run / "run.json").read_text())["config"]["world"] == 2
+    return run
+
+
+def test_two_ranks_hold_one_set_of_weights_and_follow_one_process_with_the_global_batch(work, ddp, tmp_path):
+    one = tmp_path / "one"
     r = CliRunner().invoke(cli_main, args(work, one, batch_rows=4), catch_exceptions=False)
     assert r.exit_code == 0, r.output
-    assert json.loads((ddp / "run.json").read_text())["config"]["world"] == 2
 
     # 1. the ranks hold the same weights, bit for bit
     w0, w1 = load_file(str(ddp / "rank0.safetensors")), load_file(str(ddp / "rank1.safetensors"))
@@ -134,15 +141,19 @@ def test_two_ranks_are_one_process_with_the_global_batch_and_resume_exactly(work
     final_one = load_file(str(one / "checkpoints" / f"step_{STEPS:08d}" / "model.safetensors"))
     assert_weights_close(w0, final_one, WEIGHT_ATOL, "2 ranks x batch 2 vs 1 process x batch 4")
 
-    # 3. killed after the step-2 checkpoint (as a crash would leave it) and rerun under torchrun: bit-exact
+
+def test_a_two_rank_run_resumed_under_torchrun_ends_where_the_uninterrupted_one_ends(work, ddp, tmp_path):
+    # killed after the step-2 checkpoint (as a crash would leave it), rerun under torchrun: bit-exact
+    cut = tmp_path / "cut"
     shutil.copytree(ddp, cut)
     for p in ("final", "summary.json", "rank0.safetensors", "rank1.safetensors", f"checkpoints/step_{STEPS:08d}"):
         shutil.rmtree(cut / p) if (cut / p).is_dir() else (cut / p).unlink()
     (cut / "checkpoints" / "latest").write_text("step_00000002")
     torchrun(work, cut, batch_rows=2)
     assert [x["step"] for x in records(cut)] == list(range(1, STEPS + 1))
-    assert [x["loss"] for x in records(cut)] == [x["loss"] for x in rd]
+    assert [x["loss"] for x in records(cut)] == [x["loss"] for x in records(ddp)]
     assert json.loads((cut / "summary.json").read_text())["steps_this_run"] == STEPS - 2
+    w0 = load_file(str(ddp / "rank0.safetensors"))
     c0, c1 = load_file(str(cut / "rank0.safetensors")), load_file(str(cut / "rank1.safetensors"))
     assert all(torch.equal(c0[k], w0[k]) and torch.equal(c1[k], w0[k]) for k in w0)
 
