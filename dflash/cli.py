@@ -53,8 +53,13 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
 
     if under_torchrun():
         raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
-    argv, skip = [], False
-    for a in sys.argv[1:]:
+    sys.exit(launch_torchrun("dflash", argv_without_gpus(sys.argv[1:]), gpus))
+
+
+def argv_without_gpus(argv: list[str]) -> list[str]:
+    """The command line that each torchrun process gets: argv without `--gpus IDS` / `--gpus=IDS`."""
+    out, skip = [], False
+    for a in argv:
         if skip:
             skip = False
             continue
@@ -63,8 +68,8 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
             continue
         if a.startswith("--gpus="):
             continue
-        argv.append(a)
-    sys.exit(launch_torchrun("dflash", argv, gpus))
+        out.append(a)
+    return out
 
 
 from dflash.demo import CPU_SIZES  # noqa: E402  (light: no torch)

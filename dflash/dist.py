@@ -122,6 +122,16 @@ def write_json0(path: str, obj) -> None:
 def launch_torchrun(module: str, argv: list[str], gpus: str) -> int:
     """Re-launch `python -m module argv` under torchrun on the given GPU ids (the --gpus convenience)."""
     import subprocess
+
+    cmd, env = torchrun_command(module, argv, gpus, os.environ)
+    check_gpu_ids(env["CUDA_VISIBLE_DEVICES"].split(","))
+    return subprocess.call(cmd, env=env)
+
+
+def torchrun_command(module: str, argv: list[str], gpus: str, environ) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) that run `python -m module argv` under torchrun, one process per id in `gpus`
+    ("0,1,2"), with only those GPUs visible; ConfigError naming --gpus for a malformed list. Pure: whether
+    the GPUs exist is check_gpu_ids' business."""
     import sys
 
     from dflash.config import ConfigError
@@ -129,13 +139,12 @@ def launch_torchrun(module: str, argv: list[str], gpus: str) -> int:
     ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not ids or not all(g.isdigit() for g in ids):
         raise ConfigError(f"--gpus expects a comma-separated list of GPU ids such as 0,1,2 (got {gpus!r})")
-    check_gpu_ids(ids)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids))
+    env = dict(environ, CUDA_VISIBLE_DEVICES=",".join(ids))
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(ids)}",
            "-m", module, *argv]
-    return subprocess.call(cmd, env=env)
+    return cmd, env
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

@@ -13,8 +13,9 @@ The step (nothing in it syncs with the host or changes shape):
     all-reduce the flat buffer (ranks > 1); clip; fused AdamW with a tensor learning rate
 The host reads the accumulators only every --log-every steps (one sync), which is also where a
 non-finite loss is caught; checkpoints are written only after such a check, so the last one is
-always good. Anchor randomness is a function of (seed, step, rank): a resumed run draws exactly
-what an uninterrupted one would have.
+always good. Anchor randomness is a function of (seed, step, a row's slot in the step's global batch): a
+resumed run draws exactly what an uninterrupted one would have, and ranks x accumulation x batch rows
+that make the same global batch draw the same anchors (see Trainer.anchor_scores).
 """
 
 from __future__ import annotations
@@ -617,9 +618,19 @@ class Trainer:
             m += 1
 
     def anchor_scores(self, micro: int, rows: int, T: int) -> torch.Tensor:
-        # a function of (seed, micro-step, rank): resumes draw exactly what an uninterrupted run draws
-        self.gen.manual_seed((self.cfg.seed * 1_000_003 + micro) * 65_537 + self.dist.rank)
-        return torch.rand(rows, T, generator=self.gen, device=self.dev)
+        """This rank's anchor scores [rows, T] for micro-step `micro`: its slice of one draw per optimizer step,
+        [grad_accum * world * rows, T] seeded by (seed, step), taken at global slot (a * world + rank) * rows
+        for micro-batch a of the step. The reader gives rank r of micro-batch a the rows of that same slot
+        (Cache.epoch_order), so a row's anchors depend on (seed, step, its slot in the step's global batch)
+        only: two ranks with batch b, or accumulation 2 x batch b, draw the anchors of one process with batch
+        2b (tests/test_ddp.py, tests/test_accum.py); a resumed run draws what an uninterrupted one draws. One
+        process without accumulation draws what it always did (seed (seed * 1_000_003 + step) * 65_537)."""
+        step, a = divmod(micro, self.cfg.grad_accum)
+        world = self.dist.world
+        self.gen.manual_seed((self.cfg.seed * 1_000_003 + step) * 65_537)
+        scores = torch.rand(self.cfg.grad_accum * world * rows, T, generator=self.gen, device=self.dev)
+        first = (a * world + self.dist.rank) * rows
+        return scores[first:first + rows]
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
