@@ -3,6 +3,8 @@
     python bench/cache_io.py                                   # defaults: ~1 min on 2 CPU cores
     python bench/cache_io.py --hidden 4096 --layers 5 --seq-len 4096 --rows 48 --rows-per-shard 4   # Qwen3-8B-like
     python bench/cache_io.py --real-hidden hidden.pt --json out.json
+    python bench/cache_io.py --hidden 4096 --layers 5 --seq-len 4096 --rows 48 --rows-per-shard 4 \
+        --hidden-dtypes bf16 fp8 fp4 --codecs zstd --no-peer            # bytes per real token per hidden dtype
 
 For each codec: the rows go through CacheWriter (end to end: encode, checksum, write, commit) and
 are read back through cache.batches (one epoch, every row); for the peers' format every packed
@@ -11,7 +13,9 @@ back with torch.load (in as many threads). Every method gets the same data.
 
 Synthetic hidden states are bf16 of N(0, 1) * exp(N(0, 1) per channel), which compress about as
 much as real hidden states do (the exponent bits carry the per-channel scale); ~3% of every row's
-tail is padding written as true zeros. Reads come from the page cache (or /dev/shm): they measure
+tail is padding written as true zeros. With --hidden-dtypes fp8/fp4 the same rows are quantised first
+(dflash_cache.quant, on the CPU, outside the timing: extraction quantises on the GPU) and the writer
+gets bytes + scales; the reader moves bytes + scales (batches(quantized=True)). Reads come from the page cache (or /dev/shm): they measure
 decoding and copying, not a disk.
 
 Columns: write/read MB/s = raw bytes handed to / returned by the format per second (the cache
@@ -37,7 +41,7 @@ import numpy as np
 import torch
 
 import dflash_cache
-from dflash_cache import CacheSpec, CacheWriter
+from dflash_cache import CacheSpec, CacheWriter, quant
 
 
 @dataclass
@@ -146,12 +150,25 @@ def warm_up(data: Data, codec: str, out: Path) -> None:
     shutil.rmtree(out)
 
 
-def bench_cache(data: Data, codec: str, out: Path, threads: int, batch_rows: int) -> Result:
-    spec = CacheSpec(**{**asdict(data.spec), "codec": codec, "hidden_chunk_tokens": 0})
+def quantized_shards(data: Data, hidden_dtype: str) -> list[dict[str, np.ndarray]]:
+    """data's shards with hidden quantised (bytes as numpy uint8) + hidden_scales; bf16: as they are."""
+    if not quant.is_quantized(hidden_dtype):
+        return data.shards
+    out = []
+    for arrays in data.shards:
+        x = torch.from_numpy(arrays["hidden"].view(np.int16)).view(torch.bfloat16)
+        h, s = quant.quantize(x, hidden_dtype, len(data.spec.layer_ids))
+        out.append({**arrays, "hidden": h.view(torch.uint8).numpy(), "hidden_scales": s.numpy()})
+    return out
+
+
+def bench_cache(data: Data, codec: str, out: Path, threads: int, batch_rows: int, hidden_dtype: str = "bfloat16") -> Result:
+    spec = CacheSpec(**{**asdict(data.spec), "codec": codec, "hidden_chunk_tokens": 0, "hidden_dtype": hidden_dtype})
+    shards = quantized_shards(data, hidden_dtype)
     warm_up(data, codec, out)
     t0 = time.perf_counter()
     w = CacheWriter(out, spec, threads=threads)
-    for s, arrays in enumerate(data.shards):
+    for s, arrays in enumerate(shards):
         w.submit_shard(s, **arrays)
     w.close()
     t_write = time.perf_counter() - t0
@@ -159,14 +176,15 @@ def bench_cache(data: Data, codec: str, out: Path, threads: int, batch_rows: int
     cache = dflash_cache.open(out)
     rows_read = 0
     t0 = time.perf_counter()
-    for b in cache.batches(batch_rows, threads=threads):
+    for b in cache.batches(batch_rows, threads=threads, quantized=True):
         rows_read += int(b["row_valid"].sum())
     t_read = time.perf_counter() - t0
     assert rows_read == spec.num_rows, (rows_read, spec.num_rows)
 
     on_disk = dflash_cache.info(out)["bytes_on_disk"]
-    raw = data.raw_bytes
-    return Result(f"dflash_cache {codec}", raw / t_write / 1e6, data.real_tokens / t_write, raw / t_read / 1e6,
+    raw = sum(a.nbytes for s in shards for a in s.values())
+    name = "" if hidden_dtype == "bfloat16" else f" {hidden_dtype}"
+    return Result(f"dflash_cache {codec}{name}", raw / t_write / 1e6, data.real_tokens / t_write, raw / t_read / 1e6,
                   data.real_tokens / t_read, raw / on_disk, on_disk / data.real_tokens, on_disk)
 
 
@@ -228,6 +246,8 @@ def parse_args(argv=None):
     ap.add_argument("--batch-rows", type=int, default=4, help="rows per batch when reading")
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="writer and reader threads")
     ap.add_argument("--codecs", nargs="+", default=list(dflash_cache.CODECS), choices=dflash_cache.CODECS)
+    ap.add_argument("--hidden-dtypes", nargs="+", default=["bf16"], choices=list(quant.CLI_NAMES),
+                    help="stored hidden dtypes to measure (each with every codec)")
     ap.add_argument("--no-peer", action="store_true", help="skip the torch.save-per-sample baseline")
     ap.add_argument("--real-hidden", help=".pt/.npy of real hidden states [..., K*H] to use instead of synthetic ones")
     ap.add_argument("--seed", type=int, default=0)
@@ -251,11 +271,13 @@ def main(argv=None) -> None:
     print(setup, f"(data made in {time.perf_counter() - t0:.1f} s)", flush=True)
 
     results = []
-    for codec in args.codecs:
-        results.append(bench_cache(data, codec, out / f"cache-{codec}", args.threads, args.batch_rows))
-        print(f"  {results[-1].method}: done", flush=True)
-        if not args.keep:
-            shutil.rmtree(out / f"cache-{codec}", ignore_errors=True)
+    for dt in args.hidden_dtypes:
+        for codec in args.codecs:
+            results.append(bench_cache(data, codec, out / f"cache-{dt}-{codec}", args.threads, args.batch_rows,
+                                       quant.resolve(dt)))
+            print(f"  {results[-1].method}: done", flush=True)
+            if not args.keep:
+                shutil.rmtree(out / f"cache-{dt}-{codec}", ignore_errors=True)
     if not args.no_peer:
         results.append(bench_peer(data, out / "peer", args.threads))
         print(f"  {results[-1].method}: done", flush=True)
@@ -267,7 +289,8 @@ def main(argv=None) -> None:
     bar = 2 * spec.row_width + 16
     print()
     print(markdown(results))
-    print(f"\nraw bf16 hidden = {2 * spec.row_width:,} B/token; bar (DESIGN §5) <= 2*K*H + 16 = {bar:,} B/real token")
+    print(f"\nraw bf16 hidden = {2 * spec.row_width:,} B/token; bar (DESIGN §5) <= 2*K*H + 16 = {bar:,} B/real token"
+          f"; fp8 bar: <= 20,500 B/real token at the Qwen3-8B shape (K=5, H=4096)")
     if args.json:
         doc = {"command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])]), "setup": setup,
                "date": time.strftime("%Y-%m-%d"), "host": platform.node(), "cpu_cores": os.cpu_count(),

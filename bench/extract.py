@@ -2,12 +2,14 @@
 
     python bench/extract.py                          # Qwen3-8B-shaped random target, T = 4096, on one GPU
     python bench/extract.py --chats 300 --json out.json --disk-dir /root/bench
+    python bench/extract.py --skip forward,peer --hidden-dtypes bf16,fp8,fp4 --disk-dir /root/bench   # per stored dtype
 
 In one run, on the same packed rows:
   1. the truncated target's pure forward tokens/s (flex document mask; also plain causal, no mask,
      and the SDPA 4D mask), no capture, nothing copied to the host;
   2. `dflash extract` end to end to committed shards in /dev/shm (isolates the pipeline's overhead),
      and to the machine's disk (disk-bound: GB/s written is reported);
+     With --hidden-dtypes bf16,fp8,fp4 step 2 runs once per stored dtype (fp8/fp4 quantised on the GPU).
   3. the peers' way: the same forwards, then one torch.save file per sample of the K concatenated
      layers (synchronous copies), tokens/s and bytes per token.
   4. the compiled target forward (extract/compiled.py): its pure forward + capture, its first-batch check
@@ -126,6 +128,7 @@ def main():
     ap.add_argument("--peer-rows", type=int, default=32, help="rows for the torch.save comparison")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: forward,compiled,shm,disk,peer")
     ap.add_argument("--compile-modes", default="off,on", help="end-to-end runs with these --compile values")
+    ap.add_argument("--hidden-dtypes", default="bf16", help="comma list of stored hidden dtypes for step 2: bf16,fp8,fp4")
     ap.add_argument("--json")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
@@ -136,7 +139,8 @@ def main():
     shape = QWEN3_8B if a.shape == "qwen3-8b" else SMOLLM2
     os.makedirs(a.shm_dir, exist_ok=True)
     t = time.perf_counter()
-    target = random_target_dir(os.path.join(a.shm_dir, f"target-{a.shape}"), shape)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: a smoke test of step 2 (--skip forward,peer)
+    target = random_target_dir(os.path.join(a.shm_dir, f"target-{a.shape}"), shape, device=dev)
     build_s = time.perf_counter() - t
     data = write_jsonl(os.path.join(a.shm_dir, "chats.jsonl"), synthetic_chats(a.chats, max_tokens=a.seq_len - 96))
     layer_ids = default_layer_ids(shape["num_hidden_layers"])
@@ -196,7 +200,8 @@ def main():
                                   batch_rows=a.batch_rows, codec=a.codec, max_samples=40, progress=False,
                                   overwrite=True, compile="off", tokenize_cache="off"))
         shutil.rmtree(warm, ignore_errors=True)
-    for where, base in (("shm", a.shm_dir), ("disk", a.disk_dir)):
+    for (where, base), hdt in [(w, d) for d in a.hidden_dtypes.split(",")
+                               for w in (("shm", a.shm_dir), ("disk", a.disk_dir))]:
         if where in skip or not base:
             continue
         for comp in a.compile_modes.split(","):
@@ -204,20 +209,21 @@ def main():
             shutil.rmtree(out, ignore_errors=True)
             cfg = ExtractConfig(target=target, data=data, out=out, seq_len=a.seq_len, layers=layer_ids,
                                 batch_rows=a.batch_rows, codec=a.codec, writer_threads=12, progress=False,
-                                compile=comp, tokenize_cache="off")
+                                hidden_dtype=hdt, compile=comp, tokenize_cache="off")
             s = run_extract(cfg)
             size = dir_bytes(out)
-            r = {"what": f"dflash extract end to end -> {'/dev/shm' if where == 'shm' else 'disk'} ({a.codec}), "
+            r = {"what": f"dflash extract end to end -> {'/dev/shm' if where == 'shm' else 'disk'} ({a.codec}, {hdt}), "
                          f"--compile {comp}" + ("" if comp == "off" or s["compile"]["compiled"] else " (fell back: eager)"),
                  "tok_s": s["tokens_per_s_this_rank"], "bytes_per_token": size / real,
                  "write_GB_s": s["bytes_written_this_rank"] / s["elapsed_s"] / 1e9, "elapsed_s": s["elapsed_s"],
                  "compile_s": s["compile"].get("seconds", 0.0)}
             if "forward_flex_tok_s" in res:
                 r["vs_pure_forward"] = r["tok_s"] / res["forward_flex_tok_s"]
-            off = res.get(f"extract_{where}_off")
+            key = f"extract_{where}" + ("" if hdt == "bf16" else f"_{hdt}")
+            off = res.get(f"{key}_off")
             if off:
                 r["vs_compile_off"] = r["tok_s"] / off["tok_s"]
-            res[f"extract_{where}_{comp}"] = {**r, "compile_report": s["compile"]}
+            res[f"{key}_{comp}"] = {**r, "compile_report": s["compile"]}
             table_rows.append(r)
             print(r, flush=True)
             shutil.rmtree(out, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Generated tokens/s of `dflash regenerate`'s generator (extract.regenerate.Engine), on a real or random target.
+"""Generated tokens/s of `dflash regenerate`'s generator (extract.generate.Engine), on a real or random target.
 
     # CPU, the demo model (SmolLM2-135M-Instruct GGUF, converted once), 64 short chitchat prompts
     python bench/regenerate.py --model demo --prompts 64 --batch-size 32 --max-new-tokens 64
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from extract.regenerate import Engine, Request, eos_ids_of, plan_engine, rng_key  # noqa: E402
+from extract.generate import Engine, Request, eos_ids_of, plan_engine, rng_key  # noqa: E402
 from dflash.dist import resolve_dtype  # noqa: E402
 
 

@@ -2,13 +2,16 @@
 
     python bench/train.py                       # Qwen3-8B-shaped drafter and the demo-size drafter
     python bench/train.py --shapes demo --steps 40 --json out.json
+    python bench/train.py --shapes qwen3-8b --modes compiled:flex --hidden-dtypes bf16,fp8,fp4   # per cache dtype
 
 Qwen3-8B shape (the peers' offline defaults): 5 layers, H 4096, vocab 151,936, B 16, 4 rows x 3072
 tokens, 512 anchors per row, gamma 7, bf16 weights, fused AdamW. The cache is synthetic (random
 bf16 hidden states, realistic packing) and written with dflash_cache; the target directory holds
 only the embedding and LM head (all `dflash train` reads). Reports tokens/s, step time, MFU
 (matmul FLOPs: trainable x3, frozen LM head x2, over 989 TFLOP/s dense bf16), recompiles after
-warm-up, and the fraction of time the step waited for data.
+warm-up, and the fraction of time the step waited for data. With --hidden-dtypes the same synthetic rows
+are also stored as fp8 / fp4 caches (quantised by the writer); the loader then moves bytes + scales and the
+step dequantises on the GPU.
 """
 
 from __future__ import annotations
@@ -54,7 +57,8 @@ def synthetic_rows(n: int, seq_len: int, width: int, vocab: int, rng, g):
     return ids, lm, doc, hid
 
 
-def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: list[int], seed: int = 0) -> str:
+def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: list[int], seed: int = 0,
+                    hidden_dtype: str = "bfloat16") -> str:
     import dflash_cache
     from extract.target import target_info
 
@@ -63,7 +67,8 @@ def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: 
         return path
     H = info.hidden_size
     spec = dflash_cache.CacheSpec(seq_len=seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=rows,
-                                  rows_per_shard=4, codec="zstd", info={"target": info.as_dict()})
+                                  rows_per_shard=4, codec="zstd", hidden_dtype=hidden_dtype,
+                                  info={"target": info.as_dict()})
     rng = np.random.default_rng(seed)
     g = torch.Generator().manual_seed(seed)
     with dflash_cache.CacheWriter(path, spec, threads=16) as w:
@@ -113,8 +118,10 @@ def main():
     ap.add_argument("--log-every", type=int, default=5)
     ap.add_argument("--workdir", default=None, help="default: /dev/shm/dflash-bench-train or a temp dir")
     ap.add_argument("--modes", default="eager:flex,compiled:flex", help="comma list of compile:attn (eager|compiled : flex|sdpa)")
+    ap.add_argument("--hidden-dtypes", default="bf16", help="comma list of cache hidden dtypes: bf16,fp8,fp4")
     ap.add_argument("--json")
     a = ap.parse_args()
+    from dflash_cache import quant
     wd = a.workdir or ("/dev/shm/dflash-bench-train" if os.path.isdir("/dev/shm") else tempfile.mkdtemp())
     os.makedirs(wd, exist_ok=True)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -125,9 +132,10 @@ def main():
         target = random_target_dir(os.path.join(wd, f"target-{name}"), tshape, device=dev, head_only=True)
         from train.model import default_layer_ids
 
-        cache = synthetic_cache(os.path.join(wd, f"cache-{name}"), target, T, max(32, rows * 8),
-                                default_layer_ids(tshape["num_hidden_layers"]))
-        for mode in a.modes.split(","):
+        for hdt, mode in [(d, m) for d in a.hidden_dtypes.split(",") for m in a.modes.split(",")]:
+            suffix = "" if hdt == "bf16" else f"-{hdt}"
+            cache = synthetic_cache(os.path.join(wd, f"cache-{name}{suffix}"), target, T, max(32, rows * 8),
+                                    default_layer_ids(tshape["num_hidden_layers"]), hidden_dtype=quant.resolve(hdt))
             comp, attn = mode.split(":")
             if attn == "flex" and dev == "cpu":
                 continue
@@ -139,18 +147,20 @@ def main():
                 gc.collect()
                 torch.cuda.empty_cache() if torch.cuda.is_available() else None
             r["shape"] = name
+            r["hidden_dtype"] = hdt
             results.append(r)
             print(json.dumps(r), flush=True)
             if a.json:  # written after every mode, so a run cut short still leaves its results
                 with open(a.json, "w") as f:
                     json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f, indent=2)
-    by = {(r["shape"], r["compile"], r["attn"]): r for r in results}
+    by = {(r["shape"], r["hidden_dtype"], r["compile"], r["attn"]): r for r in results}
     for name in a.shapes.split(","):
-        e, c = by.get((name, "off", "flex")), by.get((name, "on", "flex"))
-        if e and c and "step_ms" in e and "step_ms" in c:
-            c["speedup_vs_eager"] = e["step_ms"] / c["step_ms"]
+        for hdt in a.hidden_dtypes.split(","):
+            e, c = by.get((name, hdt, "off", "flex")), by.get((name, hdt, "on", "flex"))
+            if e and c and "step_ms" in e and "step_ms" in c:
+                c["speedup_vs_eager"] = e["step_ms"] / c["step_ms"]
     print(f"\nhardware: {hardware()}, torch {torch.__version__}")
-    print(table(results, ["shape", "compile", "attn", "step_ms", "ctx_tok_s", "block_tok_s", "tflops", "mfu",
+    print(table(results, ["shape", "hidden_dtype", "compile", "attn", "step_ms", "ctx_tok_s", "block_tok_s", "tflops", "mfu",
                           "recompiles", "data_wait", "speedup_vs_eager", "peak_mem_gib", "loss_first", "loss_last", "error"]))
     if a.json:
         with open(a.json, "w") as f:

@@ -32,6 +32,19 @@ def known_errors() -> tuple[type[Exception], ...]:
     return (dflash_cache.CacheError, DflashError)
 
 
+def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
+    """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
+    must lie outside --out."""
+    from dflash.paths import check_apart, check_input_file, check_output_dir, check_output_file
+
+    check_output_file(json, "json")
+    check_output_file(plot, "plot")
+    if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
+        check_input_file(chat_template, "chat_template")
+    check_output_dir(out, "out")
+    check_apart(out, **inputs)
+
+
 def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
     """The --gpus convenience: re-run this command under torchrun on those GPUs (returns True if it did)."""
     if not gpus:
@@ -40,8 +53,13 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
 
     if under_torchrun():
         raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
-    argv, skip = [], False
-    for a in sys.argv[1:]:
+    sys.exit(launch_torchrun("dflash", argv_without_gpus(sys.argv[1:]), gpus))
+
+
+def argv_without_gpus(argv: list[str]) -> list[str]:
+    """The command line that each torchrun process gets: argv without `--gpus IDS` / `--gpus=IDS`."""
+    out, skip = [], False
+    for a in argv:
         if skip:
             skip = False
             continue
@@ -50,13 +68,11 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
             continue
         if a.startswith("--gpus="):
             continue
-        argv.append(a)
-    sys.exit(launch_torchrun("dflash", argv, gpus))
+        out.append(a)
+    return out
 
 
-from dflash.demo import DemoConfig  # noqa: E402  (light: dataclass only)
-
-DEMO_DEFAULTS = DemoConfig()
+from dflash.demo import CPU_SIZES  # noqa: E402  (light: no torch)
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -99,14 +115,15 @@ def cache_info(path, as_json):
     target = info.get("target", {})
     lines = [
         ("path", rep["path"]),
-        ("status", "complete" if rep["complete"] else f"INCOMPLETE ({rep['shards_committed']}/{rep['shards_planned']} shards committed)"),
+        ("status", ("complete" if rep["complete"] else f"INCOMPLETE ({rep['shards_committed']}/{rep['shards_planned']} shards committed)")
+         + " (from the metadata only: `dflash cache verify` re-reads and checks every byte)"),
         ("target", f"{target.get('name_or_path', '?')} ({target.get('num_layers', '?')} layers, hidden {m['hidden_size']})"),
         ("layers captured", str(m["layer_ids"])),
         ("rows", f"{rep['rows']} x {rep['seq_len']} tokens ({rep['shards_committed']} shards of {m['rows_per_shard']} rows)"),
         ("real tokens", f"{rep['real_tokens']:,} ({rep['supervised_tokens']:,} supervised)"),
         ("padding", f"{100 * rep['padding_fraction']:.2f}% of stored tokens"),
         ("on disk", f"{_human(rep['bytes_on_disk'])} ({m['codec']}; {rep['bytes_per_real_token'] or 0:,.0f} bytes per real token, "
-                    f"raw bf16 hidden = {rep['raw_hidden_bytes_per_token']:,})"),
+                    f"raw {m.get('hidden_dtype', 'bfloat16')} hidden = {rep['raw_hidden_bytes_per_token']:,})"),
         ("format", f"{m['format']} v{m['format_version']}"),
     ]
     for k in ("data_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint"):
@@ -120,8 +137,13 @@ def cache_info(path, as_json):
 @cache.command("verify")
 @click.argument("path")
 @click.option("--threads", default=4, show_default=True, help="Decoding threads.")
-def cache_verify(path, threads):
-    """Re-read every shard, check checksums and shapes; exit 1 naming every bad shard."""
+@click.option("--repair", is_flag=True, help="Un-commit every bad shard, so that rerunning the same `dflash extract` redoes them.")
+def cache_verify(path, threads, repair):
+    """Re-read every shard, check checksums and shapes; exit 1 naming every bad shard.
+
+    With --repair, bad shards are un-committed (and named): the next `dflash extract` with the same
+    settings rewrites exactly those. The exit code stays 1 until that extraction has run.
+    """
     from tqdm import tqdm
 
     c = dflash_cache.open(path, allow_incomplete=True)
@@ -135,6 +157,14 @@ def cache_verify(path, threads):
         head = ", ".join(f"{s:06d}" for s in rep.uncommitted[:20])
         more = f" (+{len(rep.uncommitted) - 20} more)" if len(rep.uncommitted) > 20 else ""
         click.echo(f"NOT COMMITTED ({len(rep.uncommitted)} shards): {head}{more} - rerun the extraction to finish them")
+    if repair and rep.bad:
+        from dflash_cache.inspect import uncommit
+        from dflash_cache.lock import OutputLock
+
+        with OutputLock(path, "dflash cache verify --repair"):  # not while an extract writes this cache
+            fixed = uncommit(path, list(rep.bad))
+        click.echo(f"repaired: un-committed {len(fixed)} shard(s) {', '.join(f'{s:06d}' for s in fixed)}; "
+                   "rerun the same `dflash extract` command to rewrite them")
     if not rep.ok:
         sys.exit(1)
     click.echo("OK")
@@ -156,6 +186,9 @@ def cache_verify(path, threads):
 @click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
 @click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.  [default: flex on GPU, sdpa on CPU]")
 @click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: zstd]")
+@click.option("--hidden-dtype", type=click.Choice(["bf16", "fp8", "fp4"]),
+              help="Stored hidden states: bf16 (exact), fp8 (e4m3 + a scale per token and layer: half the bytes), "
+                   "fp4 (experimental: e2m1 + a float16 scale per 32 channels), quantised on the GPU.  [default: bf16]")
 @click.option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.  [default: the cores / ranks on the node]")
 @click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
@@ -179,6 +212,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 5 -m dflash extract ...   (or --gpus 0,1,2,3,4)
     """
+    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
+                data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "extract")
     from dflash.config import build, parse_int_list, parse_kv
     from extract.run import ExtractConfig, run_extract
@@ -243,6 +278,7 @@ def train(preset, gpus, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 3 -m dflash train ...   (or --gpus 5,6,7)
     """
+    check_paths(out=flags.get("out"))
     relaunch_with_gpus(gpus, "train")
     from dflash.config import build
     from train.trainer import TrainConfig, run_train
@@ -268,12 +304,15 @@ def train(preset, gpus, no_progress, **flags):
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @click.option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
 @click.option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
+@click.option("--draft-graph", is_flag=True, default=None,
+              help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_cmd(preset, no_progress, **flags):
     """Measure a drafter by real greedy speculative decoding: tau, speed-up, losslessness.
 
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
     """
+    check_paths(json=flags.get("json_out"), plot=flags.get("plot"))
     from dflash.config import build, parse_kv
     from train.eval import EvalConfig, format_report, run_eval
 
@@ -322,6 +361,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     Then:       dflash extract --data OUT ...
     Multi-GPU:  torchrun --nproc-per-node 4 -m dflash regenerate ...   (or --gpus 0,1,2,3)
     """
+    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
+                data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "regenerate")
     from dflash.config import build, parse_kv
     from extract.regenerate import RegenerateConfig, run_regenerate
@@ -338,24 +379,30 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
 
 
 @main.command()
-@click.option("--workdir", default="work/demo", show_default=True, help="Where everything is written (reruns resume).")
+@click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+              help="cpu: the 2-core recipe; gpu: every user turn of chitchat on one GPU (configs/demo-gpu.yaml); "
+                   "auto: gpu when CUDA is available.")
+@click.option("--workdir", help="Where everything is written (reruns resume).  [default: work/demo, GPU: work/demo-gpu]")
+@click.option("--config", help="The GPU recipe's preset (path or name in configs/).  [default: demo-gpu]")
 @click.option("--responses", type=click.Choice(["regenerate", "original"]), default="regenerate", show_default=True,
               help="Train on the target's own regenerated replies (the DFlash recipe) or the dataset's human replies.")
-@click.option("--train-prompts", type=int, default=DEMO_DEFAULTS.train_prompts, show_default=True, help="Training conversations.")
-@click.option("--eval-prompts", type=int, default=DEMO_DEFAULTS.eval_prompts, show_default=True, help="Held-out prompts for eval.")
-@click.option("--train-steps", type=int, default=DEMO_DEFAULTS.train_steps, show_default=True, help="Drafter training steps.")
-@click.option("--drafter-layers", type=int, default=DEMO_DEFAULTS.drafter_layers, show_default=True, help="Drafter layers.")
+@click.option("--train-prompts", type=int, help=f"Training conversations (CPU recipe).  [default: {CPU_SIZES['train_prompts']}]")
+@click.option("--eval-prompts", type=int, help=f"Held-out prompts for eval.  [default: CPU {CPU_SIZES['eval_prompts']}, GPU: preset]")
+@click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
+@click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
-def demo(**kw):
+@click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
+def demo(no_progress, **kw):
     """Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
 
     Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
     hidden states, train a small drafter, and measure it by speculative decoding against n-gram
-    prompt lookup on held-out prompts. Fits a 2-core CPU in about 15 minutes; rerun to resume.
+    prompt lookup on held-out prompts. The CPU recipe fits a 2-core CPU in about 15 minutes; the GPU
+    recipe (every user turn of chitchat, a block-8 drafter) one H200 in under 10. Rerun to resume.
     """
     from dflash.demo import DemoConfig, run_demo
 
-    run_demo(DemoConfig(**kw))
+    run_demo(DemoConfig(**kw, progress=not no_progress))
 
 
 if __name__ == "__main__":

@@ -23,27 +23,52 @@ from dflash.config import check
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
+
+
 @dataclass
 class DemoConfig:
-    workdir: str = "work/demo"
-    responses: str = "regenerate"  # or "original": the dataset's human replies
-    train_prompts: int = 240
-    eval_prompts: int = 16
+    workdir: str | None = None  # None: work/demo (CPU recipe) or work/demo-gpu (GPU recipe)
+    recipe: str = "auto"  # cpu, gpu (dflash/demo_gpu.py, configs/demo-gpu.yaml), auto: gpu when CUDA is there
+    config: str | None = None  # the GPU recipe's preset (default demo-gpu)
+    responses: str = "regenerate"  # or "original": the dataset's human replies (CPU recipe)
+    # None: the recipe's own (CPU_SIZES; the GPU recipe's preset). train_prompts is the CPU recipe's only.
+    train_prompts: int | None = None
+    eval_prompts: int | None = None
     regen_max_new_tokens: int = 64
     seq_len: int = 512
-    drafter_layers: int = 1
+    drafter_layers: int | None = None
     block_size: int = 4  # a small CPU-trained drafter rarely gets past slot 3; B = 16 for real targets
     num_anchors: int = 64
     batch_rows: int = 4
-    train_steps: int = 160
+    train_steps: int | None = None
     lr: float = 1.5e-3
     eval_max_new_tokens: int = 48
     device: str = "auto"
     progress: bool = True
 
     def __post_init__(self):
+        check(self.recipe in ("auto", "cpu", "gpu"), "recipe", f"must be auto, cpu or gpu, got {self.recipe!r}")
         check(self.responses in ("regenerate", "original"), "responses", "must be regenerate or original")
-        check(self.train_prompts >= 8 and self.eval_prompts >= 1, "train_prompts", "and --eval-prompts must be positive")
+        check(self.train_prompts is None or self.train_prompts >= 8, "train_prompts", "must be >= 8")
+        check(self.eval_prompts is None or self.eval_prompts >= 1, "eval_prompts", "must be >= 1")
+        check(self.train_steps is None or self.train_steps >= 1, "train_steps", "must be >= 1")
+        check(self.drafter_layers is None or self.drafter_layers >= 1, "drafter_layers", "must be >= 1")
+
+    def resolved_recipe(self) -> str:
+        """cpu or gpu: auto is gpu when torch sees CUDA and --device is auto or cuda*."""
+        if self.recipe != "auto":
+            return self.recipe
+        import torch
+
+        return "gpu" if torch.cuda.is_available() and (self.device == "auto" or self.device.startswith("cuda")) else "cpu"
+
+    def cpu(self) -> "DemoConfig":
+        """This config with the CPU recipe's sizes where none were given."""
+        from dataclasses import replace
+
+        return replace(self, recipe="cpu", workdir=self.workdir or "work/demo",
+                       **{k: v for k, v in CPU_SIZES.items() if getattr(self, k) is None})
 
 
 def _package_file(pkg: str, name: str, install: str) -> str:
@@ -96,8 +121,10 @@ def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
     convs = chitchat_conversations()
     if cfg.train_prompts + cfg.eval_prompts > len(convs):
-        raise ValueError(f"chitchat has {len(convs)} usable conversations; asked for "
-                         f"{cfg.train_prompts} + {cfg.eval_prompts}")
+        from dflash.config import ConfigError
+
+        raise ConfigError(f"--train-prompts {cfg.train_prompts} + --eval-prompts {cfg.eval_prompts}: chitchat has only "
+                          f"{len(convs)} usable conversations")
     tr = convs[: cfg.train_prompts]
     he = convs[len(convs) - cfg.eval_prompts:]
     write_jsonl(train, [{"messages": [{"role": "user", "content": c["prompt"]},
@@ -115,6 +142,28 @@ def _human_bytes(n: float) -> str:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """The recipe cfg.recipe resolves to: the GPU one (dflash/demo_gpu.py) or the CPU one (below)."""
+    if cfg.resolved_recipe() == "gpu":
+        from dflash.config import ConfigError
+        from dflash.demo_gpu import PRESET, run_gpu_demo
+
+        if cfg.train_prompts is not None:
+            raise ConfigError("--train-prompts: the GPU recipe trains on every training conversation of chitchat "
+                              "(its sizes are in configs/demo-gpu.yaml); use --recipe cpu for a prompt count")
+        if cfg.responses != "regenerate":
+            raise ConfigError("--responses: the GPU recipe trains on regenerated responses only")
+        overrides = {k: v for k, v in (("max_steps", cfg.train_steps), ("drafter_layers", cfg.drafter_layers))
+                     if v is not None}
+        return run_gpu_demo(cfg.workdir or "work/demo-gpu", cfg.config or PRESET, cfg.device, cfg.progress,
+                            train_overrides=overrides, eval_prompts=cfg.eval_prompts)
+    if cfg.config is not None:
+        from dflash.config import ConfigError
+
+        raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
+    return run_cpu_demo(cfg.cpu())
+
+
+def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
     import dflash_cache
     from extract.run import ExtractConfig, run_extract
     from extract.target import convert_gguf

@@ -28,14 +28,49 @@ def under_torchrun() -> bool:
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
 
 
+def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
+    """--device: auto, cpu, cuda or cuda:N, checked against this machine (an error naming the flag)."""
+    from dflash.config import ConfigError
+
+    if device in (None, "auto"):
+        return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ConfigError(f"--device {device!r} is not a device: use cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: dflash runs on cpu or cuda (cuda:N), not {dev.type}")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"--device {device}: this machine has no usable CUDA device "
+                              f"(torch {torch.__version__}, CUDA build {torch.version.cuda or 'none'}); use --device cpu")
+        n = torch.cuda.device_count()
+        if dev.index is not None and dev.index >= n:
+            raise ConfigError(f"--device {device}: this machine has {n} CUDA device(s) (cuda:0..cuda:{n - 1})")
+    return dev
+
+
+def check_gpu_ids(ids: list[str]) -> None:
+    """--gpus: ids that exist on this machine (torchrun would otherwise train on the CPU without a word)."""
+    from dflash.config import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError(f"--gpus {','.join(ids)}: this machine has no usable CUDA device; "
+                          "run without --gpus to use the CPU")
+    n = torch.cuda.device_count()
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        bad = [g for g in ids if int(g) >= n]
+        if bad:
+            raise ConfigError(f"--gpus: GPU {bad[0]} does not exist; this machine has {n} (0..{n - 1})")
+
+
 def compute_init(device: str | None = None) -> Dist:
     """rank/world/device; initialises the process group only under torchrun with world > 1."""
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    if device in (None, "auto"):
-        device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = parse_device(device, local_rank)
     if dev.type == "cuda" and dev.index is None:  # "cuda" means this process's GPU
         dev = torch.device("cuda", local_rank)
     if dev.type == "cuda":
@@ -66,9 +101,16 @@ def atomic_json(path: str, obj) -> None:
     import json
 
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        try:  # no temporary file left behind (disk full, a directory in the way, ...)
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
 
 
 def write_json0(path: str, obj) -> None:
@@ -80,17 +122,29 @@ def write_json0(path: str, obj) -> None:
 def launch_torchrun(module: str, argv: list[str], gpus: str) -> int:
     """Re-launch `python -m module argv` under torchrun on the given GPU ids (the --gpus convenience)."""
     import subprocess
+
+    cmd, env = torchrun_command(module, argv, gpus, os.environ)
+    check_gpu_ids(env["CUDA_VISIBLE_DEVICES"].split(","))
+    return subprocess.call(cmd, env=env)
+
+
+def torchrun_command(module: str, argv: list[str], gpus: str, environ) -> tuple[list[str], dict[str, str]]:
+    """(command, environment) that run `python -m module argv` under torchrun, one process per id in `gpus`
+    ("0,1,2"), with only those GPUs visible; ConfigError naming --gpus for a malformed list. Pure: whether
+    the GPUs exist is check_gpu_ids' business."""
     import sys
+
+    from dflash.config import ConfigError
 
     ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not ids or not all(g.isdigit() for g in ids):
-        raise SystemExit(f"--gpus expects a comma-separated list of GPU ids such as 0,1,2 (got {gpus!r})")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(ids))
+        raise ConfigError(f"--gpus expects a comma-separated list of GPU ids such as 0,1,2 (got {gpus!r})")
+    env = dict(environ, CUDA_VISIBLE_DEVICES=",".join(ids))
     env.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off (shared hosts)
     env.setdefault("OMP_NUM_THREADS", "1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={len(ids)}",
            "-m", module, *argv]
-    return subprocess.call(cmd, env=env)
+    return cmd, env
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:

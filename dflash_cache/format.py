@@ -1,4 +1,4 @@
-"""The on-disk contract of a dflash hidden-state cache (format version 1).
+"""The on-disk contract of a dflash hidden-state cache (format versions 1 and 2).
 
 A cache is a zarr v3 hierarchy (a local directory or any fsspec URL):
 
@@ -11,14 +11,31 @@ A cache is a zarr v3 hierarchy (a local directory or any fsspec URL):
     CACHE/shards/000017/doc_ids           int32   [R_s, T]       1, 2, ... per packed document; 0 = padding
     CACHE/shards/000017/hidden            uint16  [R_s, T, K*H]  bf16 bits of the K captured layers,
                                                                  concatenated; chunks [1, C, K*H]
+    CACHE/shards/000017/hidden_scales     (quantised caches only, below)  chunks [1, C, S]
+
+Hidden dtype (root attribute "hidden_dtype"; `dflash extract --hidden-dtype bf16|fp8|fp4`):
+    bfloat16       hidden uint16 [R_s, T, K*H] = the bf16 bits. Format version 1 (what every bf16 cache is).
+    float8_e4m3fn  hidden uint8 [R_s, T, K*H] = e4m3 bytes; hidden_scales float32 [R_s, T, K], one scale per
+                   token and captured layer. Format version 2.
+    fp4_e2m1       hidden uint8 [R_s, T, K*H/2] = e2m1 codes, two per byte (element 2i in the low nibble);
+                   hidden_scales float16 [R_s, T, K*H/32], one scale per 32 channels. Format version 2.
+                   Experimental.
+    In both quantised formats the value of channel j of token t of row r is
+        fp8:  value = e4m3(hidden[r, t, j]) * hidden_scales[r, t, j // H]
+        fp4:  value = e2m1(nibble j % 2 of hidden[r, t, j // 2]) * hidden_scales[r, t, j // 32]
+    and the root attribute "hidden_scaling" spells this out (element encoding, group size, formula) for a
+    plain zarr client; quant.py has the rules that make the bytes and the error bounds they guarantee.
+    Padding (and any all-zero group) has scale 0 and zero bytes: values exactly 0.
 
 Every array is a plain zarr array (any zarr client reads it). Row r of shard s is global row
 s * rows_per_shard + r; the last shard may hold fewer rows. Rows are exactly T tokens; padding
 tokens have doc_id 0, loss_mask 0 and all-zero hidden states (true zeros cost nothing compressed).
 
 The commit record carries, per array, the CRC-32 of every chunk's raw (decoded, little-endian)
-bytes, so `verify` detects truncated, corrupted or swapped files. A shard without a commit record
+bytes (hidden_scales included), so `verify` detects truncated, corrupted or swapped files. A shard without a commit record
 does not exist: a crashed writer leaves nothing that looks complete, and a rerun redoes it.
+A resumed or repeated extraction writes the same bytes; what legitimately differs between runs is the root's
+info.run (batch size, world size, time) and each commit record's "writer" and "time".
 """
 
 from __future__ import annotations
@@ -28,16 +45,21 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
+from . import quant
+
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code reads and writes; bf16 caches are still written as version 1
 COMMIT_KEY = "dflash_commit"
 SHARDS = "shards"
 
 # name -> (numpy dtype, zarr dtype string)
 SMALL_ARRAYS = {"input_ids": "int32", "loss_mask": "uint8", "doc_ids": "int32"}
 HIDDEN = "hidden"
+SCALES = "hidden_scales"
 ARRAYS = (*SMALL_ARRAYS, HIDDEN)
-HIDDEN_DTYPES = {"bfloat16": "uint16"}  # logical dtype -> stored dtype (bf16 has no zarr dtype)
+HIDDEN_DTYPES = quant.HIDDEN_DTYPES  # bfloat16, float8_e4m3fn, fp4_e2m1 (stored as above)
 CODECS = ("none", "lz4", "zstd", "blosc-zstd")
 
 
@@ -79,9 +101,9 @@ def shard_key(index: int) -> str:
     return f"{SHARDS}/{index:06d}"
 
 
-def pick_chunk_tokens(seq_len: int, row_width: int, target_bytes: int = 8 << 20) -> int:
-    """Largest divisor of T whose chunk [1, C, K*H] of 2-byte values stays under target_bytes."""
-    limit = max(1, target_bytes // max(1, 2 * row_width))
+def pick_chunk_tokens(seq_len: int, row_bytes: int, target_bytes: int = 8 << 20) -> int:
+    """Largest divisor of T whose hidden chunk [1, C, *] of row_bytes per token stays under target_bytes."""
+    limit = max(1, target_bytes // max(1, row_bytes))
     return max(d for d in range(1, seq_len + 1) if seq_len % d == 0 and d <= limit)
 
 
@@ -109,11 +131,14 @@ class CacheSpec:
         if not self.layer_ids:
             raise CacheError("cache spec: layer_ids is empty")
         if self.hidden_dtype not in HIDDEN_DTYPES:
-            raise CacheError(f"cache spec: hidden_dtype {self.hidden_dtype!r} is not one of {sorted(HIDDEN_DTYPES)}")
+            raise CacheError(f"cache spec: hidden_dtype {self.hidden_dtype!r} is not one of {list(HIDDEN_DTYPES)}")
+        why = quant.check_shape(self.hidden_dtype, self.hidden_size)
+        if why:
+            raise CacheError(f"cache spec: hidden_dtype {self.hidden_dtype}: {why}")
         if self.codec not in CODECS:
             raise CacheError(f"cache spec: codec {self.codec!r} is not one of {list(CODECS)}")
         if not self.hidden_chunk_tokens:
-            self.hidden_chunk_tokens = pick_chunk_tokens(self.seq_len, self.row_width)
+            self.hidden_chunk_tokens = pick_chunk_tokens(self.seq_len, self.hidden_bytes_per_token)
         if self.seq_len % self.hidden_chunk_tokens:
             raise CacheError(
                 f"cache spec: hidden_chunk_tokens={self.hidden_chunk_tokens} must divide seq_len={self.seq_len}"
@@ -122,6 +147,35 @@ class CacheSpec:
     @property
     def row_width(self) -> int:
         return len(self.layer_ids) * self.hidden_size
+
+    @property
+    def quantized(self) -> bool:
+        return quant.is_quantized(self.hidden_dtype)
+
+    @property
+    def format_version(self) -> int:
+        return 2 if self.quantized else 1
+
+    @property
+    def stored_width(self) -> int:
+        """Last dimension of the stored `hidden` array (K*H, or K*H/2 for fp4)."""
+        return quant.stored_width(self.hidden_dtype, self.row_width)
+
+    @property
+    def scale_width(self) -> int:
+        """Last dimension of `hidden_scales` (0: the cache has none)."""
+        return quant.scale_width(self.hidden_dtype, len(self.layer_ids), self.row_width)
+
+    @property
+    def hidden_storage(self) -> tuple[str, str | None]:
+        """(zarr/numpy dtype of `hidden`, of `hidden_scales` or None)."""
+        return quant.stored_dtypes(self.hidden_dtype)
+
+    @property
+    def hidden_bytes_per_token(self) -> int:
+        """Raw (uncompressed) bytes of hidden + scales per token."""
+        h, s = self.hidden_storage
+        return self.stored_width * np.dtype(h).itemsize + (self.scale_width * np.dtype(s).itemsize if s else 0)
 
     @property
     def num_shards(self) -> int:
@@ -138,10 +192,12 @@ class CacheSpec:
         return self.seq_len // self.hidden_chunk_tokens
 
     def to_metadata(self) -> dict[str, Any]:
-        meta = {"format": FORMAT_NAME, "format_version": FORMAT_VERSION}
+        meta = {"format": FORMAT_NAME, "format_version": self.format_version}
         d = asdict(self)
         info = d.pop("info")
         meta.update(d)
+        if self.quantized:
+            meta["hidden_scaling"] = quant.scaling_metadata(self.hidden_dtype, self.hidden_size)
         meta["num_layers"] = len(self.layer_ids)
         meta["num_shards"] = self.num_shards
         meta["info"] = info
@@ -165,6 +221,8 @@ def commit_problems(spec: CacheSpec, shard: int, rec: Any) -> list[str]:
     if not isinstance(crcs, dict):
         return ["commit record: no crc32 table"]
     want = {**{name: 1 for name in SMALL_ARRAYS}, HIDDEN: rows * spec.chunks_per_row()}
+    if spec.quantized:
+        want[SCALES] = rows * spec.chunks_per_row()
     problems = []
     for name, n in want.items():
         got = crcs.get(name)

@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .format import HIDDEN, SMALL_ARRAYS, CacheSpec, commit_problems, shard_key
+from .format import HIDDEN, SCALES, SMALL_ARRAYS, CacheSpec, commit_problems, shard_key
 from .reader import Cache
 from .store import Store
 from .writer import SMALL_CODEC, chunk_key, read_root
@@ -35,7 +35,8 @@ def info(path: str) -> dict[str, Any]:
         "padding_fraction": (1 - real / stored_tokens) if stored_tokens else 0.0,
         "bytes_on_disk": on_disk,
         "bytes_per_real_token": on_disk / real if real else None,
-        "raw_hidden_bytes_per_token": 2 * spec.row_width,
+        "hidden_dtype": spec.hidden_dtype,
+        "raw_hidden_bytes_per_token": spec.hidden_bytes_per_token,  # hidden + scales, before compression
         "metadata": cache.metadata,
     }
 
@@ -62,8 +63,10 @@ def _verify_shard(cache: Cache, s: int) -> tuple[list[str], int]:
         return problems, 0
     nbytes = 0
     _, rows = spec.shard_rows(s)
-    T, W, C = spec.seq_len, spec.row_width, spec.hidden_chunk_tokens
+    T, W, C = spec.seq_len, spec.stored_width, spec.hidden_chunk_tokens
     want_shapes = {**{n: [rows, T] for n in SMALL_ARRAYS}, HIDDEN: [rows, T, W]}
+    if spec.quantized:
+        want_shapes[SCALES] = [rows, T, spec.scale_width]
     for name, shape in want_shapes.items():
         meta = cache.store.get_json(f"{shard_key(s)}/{name}/zarr.json")
         if meta is None:
@@ -78,16 +81,20 @@ def _verify_shard(cache: Cache, s: int) -> tuple[list[str], int]:
             nbytes += arr.nbytes
         except Exception as e:  # noqa: BLE001 - every failure is a finding
             problems.append(f"{name}: {e}")
-    buf = np.empty((C, W), dtype=np.uint16)
+    hdt, sdt = spec.hidden_storage
+    chunked = [(HIDDEN, np.empty((C, W), dtype=hdt), cache._hidden_codec)]
+    if sdt is not None:
+        chunked.append((SCALES, np.empty((C, spec.scale_width), dtype=sdt), cache._scales_codec))
     per_row = spec.chunks_per_row()
-    for r in range(rows):
-        for c in range(per_row):
-            key = chunk_key(f"{shard_key(s)}/{HIDDEN}", (r, c, 0))
-            try:
-                cache._decode(key, s, cache._hidden_codec, buf, crcs[HIDDEN][r * per_row + c])
-                nbytes += buf.nbytes
-            except Exception as e:  # noqa: BLE001
-                problems.append(f"{HIDDEN}: {e}")
+    for name, buf, codec in chunked:
+        for r in range(rows):
+            for c in range(per_row):
+                key = chunk_key(f"{shard_key(s)}/{name}", (r, c, 0))
+                try:
+                    cache._decode(key, s, codec, buf, crcs[name][r * per_row + c])
+                    nbytes += buf.nbytes
+                except Exception as e:  # noqa: BLE001
+                    problems.append(f"{name}: {e}")
     return problems, nbytes
 
 
@@ -109,3 +116,26 @@ def verify(path: str, threads: int = 4, progress: Callable[[int], None] | None =
             if progress:
                 progress(1)
     return rep
+
+
+def uncommit(path: str, shards: list[int]) -> list[int]:
+    """Un-commit these shards (their commit record is removed, their data left for the next writer to replace):
+    the next `dflash extract` with the same settings redoes exactly them. Returns the shards un-committed."""
+    from .format import COMMIT_KEY
+    from .writer import group_json
+
+    store = Store(path)
+    done = []
+    for s in sorted(set(shards)):
+        doc = store.get_json(f"{shard_key(s)}/zarr.json")
+        if doc is not None and COMMIT_KEY not in (doc.get("attributes") or {}):
+            continue
+        store.put(f"{shard_key(s)}/zarr.json", group_json({}))  # atomic: the shard is uncommitted, never half
+        done.append(s)
+    return done
+
+
+# Fields of a shard's commit record that differ between two runs writing the same shard (when it was written,
+# and by which writer). Everything else in a cache -- every chunk file, every array's zarr.json, the rest of
+# each commit record, and the root's attributes except info.run -- is byte-identical after a resume.
+VOLATILE_COMMIT_FIELDS = ("time", "writer")

@@ -8,6 +8,13 @@
     for batch in cache.batches(4, rank=r, world=w, epoch=e, seed=0):
         ...                      # the same dict with a leading [4] dim, plus "row_index", "row_valid"
 
+Quantised caches (hidden_dtype float8_e4m3fn / fp4_e2m1, see format.py): random access (cache[i],
+read_rows) dequantises to bfloat16 on the CPU, so such a reader sees what it sees in a bf16 cache
+(read_rows(..., raw=True) gives the stored form). The batch iterator moves the stored bytes only: it
+refuses a quantised cache unless the consumer says it takes them (batches(..., quantized=True)); its
+batches then hold "hidden" as stored (float8_e4m3fn [B, T, K*H] or uint8 [B, T, K*H/2]) and
+"hidden_scales", and the consumer dequantises on its device with quant.dequantize(hidden, hidden_scales).
+
 Decoding runs in background threads (blosc/zstd release the GIL) straight into the batch buffers;
 no thread here ever touches CUDA. With pin_memory=True the buffers are a ring of pinned tensors
 allocated once by the caller's (main) thread; the caller must call batch.release() once its
@@ -26,6 +33,7 @@ import numpy as np
 
 from .format import (
     HIDDEN,
+    SCALES,
     SMALL_ARRAYS,
     CacheCorruptError,
     CacheError,
@@ -35,6 +43,7 @@ from .format import (
     commit_problems,
     shard_key,
 )
+from . import quant
 from .store import Codec, Store, crc32
 from .writer import SMALL_CODEC, chunk_key, committed_shards, read_root
 
@@ -82,7 +91,9 @@ class Cache:
         self._shards = sorted(self.commits)
         counts = [self.spec.shard_rows(s)[1] for s in self._shards]
         self._starts = np.cumsum([0] + counts)
-        self._hidden_codec = Codec(self.spec.codec, 2)
+        hdt, sdt = self.spec.hidden_storage
+        self._hidden_codec = Codec(self.spec.codec, np.dtype(hdt).itemsize)
+        self._scales_codec = Codec(SMALL_CODEC, np.dtype(sdt).itemsize) if sdt else None
         self._small_codec = Codec(SMALL_CODEC, 4)
         self._small: collections.OrderedDict[int, dict[str, np.ndarray]] = collections.OrderedDict()
         self._small_lock = threading.Lock()
@@ -105,6 +116,10 @@ class Cache:
     @property
     def hidden_size(self) -> int:
         return self.spec.hidden_size
+
+    @property
+    def hidden_dtype(self) -> str:
+        return self.spec.hidden_dtype
 
     @property
     def real_tokens(self) -> int:
@@ -181,16 +196,28 @@ class Cache:
                 self._small.popitem(last=False)
         return out
 
-    def read_hidden_into(self, shard: int, row: int, out: np.ndarray, check: bool = False) -> None:
-        """Decode row `row` of `shard` into out (uint16 [T, K*H])."""
+    def read_hidden_into(self, shard: int, row: int, out: np.ndarray, check: bool = False,
+                         scales_out: np.ndarray | None = None) -> None:
+        """Decode row `row` of `shard` into out (as stored: uint16 [T, K*H] bf16 bits, uint8 [T, K*H] fp8,
+        uint8 [T, K*H/2] fp4) and, for a quantised cache, its scales into scales_out ([T, S])."""
         C = self.spec.hidden_chunk_tokens
         for c in range(self.spec.chunks_per_row()):
-            self._read_hidden_chunk(shard, row, c, out[c * C:(c + 1) * C], check)
+            sc = scales_out[c * C:(c + 1) * C] if scales_out is not None else None
+            self._read_hidden_chunk(shard, row, c, out[c * C:(c + 1) * C], check, sc)
 
-    def _read_hidden_chunk(self, shard: int, row: int, c: int, out: np.ndarray, check: bool) -> None:
-        """Decode hidden chunk c (tokens c*C .. (c+1)*C) of a row into out (uint16 [C, K*H])."""
-        crc = self.commit_record(shard)["crc32"][HIDDEN][row * self.spec.chunks_per_row() + c] if check else None
-        self._decode(chunk_key(f"{shard_key(shard)}/{HIDDEN}", (row, c, 0)), shard, self._hidden_codec, out, crc)
+    def _read_hidden_chunk(self, shard: int, row: int, c: int, out: np.ndarray, check: bool,
+                           scales_out: np.ndarray | None = None) -> None:
+        """Decode hidden chunk c (tokens c*C .. (c+1)*C) of a row into out ([C, stored width]) and its
+        scales chunk into scales_out (a quantised cache must be given one)."""
+        k = row * self.spec.chunks_per_row() + c
+        crcs = self.commit_record(shard)["crc32"] if check else None
+        self._decode(chunk_key(f"{shard_key(shard)}/{HIDDEN}", (row, c, 0)), shard, self._hidden_codec, out,
+                     crcs[HIDDEN][k] if crcs else None)
+        if self.spec.quantized:
+            if scales_out is None:
+                raise CacheError(f"cache {self.path} is {self.spec.hidden_dtype}: its hidden bytes need their scales")
+            self._decode(chunk_key(f"{shard_key(shard)}/{SCALES}", (row, c, 0)), shard, self._scales_codec,
+                         scales_out, crcs[SCALES][k] if crcs else None)
 
     def _copy_small(self, shard: int, row: int, bufs: dict[str, np.ndarray], slot: int) -> None:
         small = self.shard_small(shard)
@@ -200,7 +227,7 @@ class Cache:
     def _read_row_into(self, i: int, bufs: dict[str, np.ndarray], slot: int, check: bool) -> None:
         shard, r = self.locate(i)
         self._copy_small(shard, r, bufs, slot)
-        self.read_hidden_into(shard, r, bufs[HIDDEN][slot], check)
+        self.read_hidden_into(shard, r, bufs[HIDDEN][slot], check, bufs[SCALES][slot] if SCALES in bufs else None)
 
     def _submit_row(self, pool: ThreadPoolExecutor, i: int, bufs: dict[str, np.ndarray], slot: int,
                     check: bool) -> list[Future]:
@@ -209,32 +236,40 @@ class Cache:
         C = self.spec.hidden_chunk_tokens
         futs = [pool.submit(self._copy_small, shard, r, bufs, slot)]
         for c in range(self.spec.chunks_per_row()):
-            futs.append(pool.submit(self._read_hidden_chunk, shard, r, c, bufs[HIDDEN][slot, c * C:(c + 1) * C], check))
+            sc = bufs[SCALES][slot, c * C:(c + 1) * C] if SCALES in bufs else None
+            futs.append(pool.submit(self._read_hidden_chunk, shard, r, c, bufs[HIDDEN][slot, c * C:(c + 1) * C],
+                                    check, sc))
         return futs
 
     def _alloc(self, n: int, pin: bool) -> tuple[dict[str, "torch.Tensor"], dict[str, np.ndarray]]:
         import torch
 
-        T, W = self.spec.seq_len, self.spec.row_width
+        T, W, spec = self.spec.seq_len, self.spec.stored_width, self.spec
+        hidden_dtype, scales_dtype = quant.torch_dtypes(spec.hidden_dtype)
         tens = {
             "input_ids": torch.empty(n, T, dtype=torch.int32, pin_memory=pin),
             "loss_mask": torch.empty(n, T, dtype=torch.uint8, pin_memory=pin),
             "doc_ids": torch.empty(n, T, dtype=torch.int32, pin_memory=pin),
-            HIDDEN: torch.empty(n, T, W, dtype=torch.bfloat16, pin_memory=pin),
+            HIDDEN: torch.empty(n, T, W, dtype=hidden_dtype, pin_memory=pin),
         }
+        if spec.quantized:
+            tens[SCALES] = torch.empty(n, T, spec.scale_width, dtype=scales_dtype, pin_memory=pin)
         views = {k: v.numpy() for k, v in tens.items() if k != HIDDEN}
-        views[HIDDEN] = tens[HIDDEN].view(torch.int16).numpy().view(np.uint16)
+        views[HIDDEN] = (tens[HIDDEN].view(torch.int16).numpy().view(np.uint16) if hidden_dtype == torch.bfloat16
+                         else tens[HIDDEN].view(torch.uint8).numpy())
         return tens, views
 
     def __getitem__(self, i: int) -> dict[str, "torch.Tensor"]:
-        tens, views = self._alloc(1, False)
-        self._read_row_into(int(i), views, 0, check=True)
-        return {k: v[0] for k, v in tens.items()}
+        """Row i (hidden as bfloat16, dequantised on the CPU for a quantised cache), every chunk CRC-checked."""
+        return {k: v[0] for k, v in self.read_rows([int(i)], check=True).items()}
 
-    def read_rows(self, indices, check: bool = False) -> dict[str, "torch.Tensor"]:
+    def read_rows(self, indices, check: bool = False, raw: bool = False) -> dict[str, "torch.Tensor"]:
+        """Rows as CPU tensors: hidden as bfloat16 (dequantised), or with raw=True as stored (+ hidden_scales)."""
         tens, views = self._alloc(len(indices), False)
         for slot, i in enumerate(indices):
             self._read_row_into(int(i), views, slot, check)
+        if self.spec.quantized and not raw:
+            tens[HIDDEN] = quant.dequantize(tens[HIDDEN], tens.pop(SCALES))
         return tens
 
     # -- the training iterator ---------------------------------------------------------------------
@@ -266,14 +301,23 @@ class Cache:
 
     def batches(self, batch_rows: int, *, rank: int = 0, world: int = 1, epoch: int = 0, seed: int = 0,
                 start_step: int = 0, prefetch: int = 4, threads: int | None = None, pin_memory: bool = False,
-                check: bool = False, epochs: int | None = 1, reuse_buffers: bool | None = None) -> Iterator[Batch]:
+                check: bool = False, epochs: int | None = 1, reuse_buffers: bool | None = None,
+                quantized: bool = False) -> Iterator[Batch]:
         """Fixed-shape batches for one rank: `epochs` epochs (None: endless) from step `start_step` of
         `epoch` on (for resume). Decoding runs ahead across epoch boundaries on one thread pool.
 
         With pin_memory (or reuse_buffers) the batches live in a ring of prefetch + 2 preallocated
         buffers: call batch.release() once a batch has been copied away, and its buffer is refilled.
+        quantized=True: the consumer takes a quantised cache's stored bytes and scales (module docstring);
+        without it a quantised cache is refused (its bytes are not bf16 values).
         """
         import torch
+
+        if self.spec.quantized and not quantized:
+            raise CacheError(
+                f"cache {self.path} holds {self.spec.hidden_dtype} hidden states (bytes + scales), and this reader "
+                "expects bfloat16: dequantise with dflash_cache.quant.dequantize and pass batches(..., quantized=True), "
+                "or read rows with cache[i] / read_rows (dequantised)")
 
         if start_step < 0:
             raise CacheError(f"start_step must be >= 0, got {start_step}")

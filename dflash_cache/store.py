@@ -31,15 +31,15 @@ numcodecs.blosc.use_threads = False
 BLOSC_HEADER = 16  # version, versionlz, flags, typesize, nbytes (u32), blocksize (u32), cbytes (u32)
 
 
-def zarr_compressors(codec: str):
+def zarr_compressors(codec: str, typesize: int = 2):
     from zarr.codecs import BloscCodec, ZstdCodec
 
     if codec == "none":
         return None
     if codec == "lz4":
-        return BloscCodec(cname="lz4", clevel=5, shuffle="shuffle", typesize=2)
+        return BloscCodec(cname="lz4", clevel=5, shuffle="shuffle", typesize=typesize)
     if codec == "blosc-zstd":
-        return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=2)
+        return BloscCodec(cname="zstd", clevel=1, shuffle="shuffle", typesize=typesize)
     if codec == "zstd":
         return ZstdCodec(level=1)
     raise CacheError(f"unknown codec {codec!r} (one of {list(CODECS)})")
@@ -243,8 +243,13 @@ class Store:
         return sorted(self._sync(collect()))
 
     def delete_prefix(self, prefix: str) -> None:
+        """Delete the key or the directory of keys `prefix` (nothing if absent)."""
         if self.local:
-            shutil.rmtree(self._p(prefix), ignore_errors=True)
+            p = self._p(prefix)
+            if os.path.isfile(p) or os.path.islink(p):
+                os.unlink(p)
+            else:
+                shutil.rmtree(p, ignore_errors=True)
             return
         self._sync(self._zstore.delete_dir(prefix))
 

@@ -5,6 +5,8 @@
     for s in range(spec.num_shards):
         if s not in w.committed:                      # resume: committed shards are kept
             w.submit_shard(s, input_ids, loss_mask, doc_ids, hidden)   # returns at once*
+            # fp8/fp4 caches: hidden as stored (quant.quantize, e.g. on the GPU) + hidden_scales=...,
+            # or bf16 hidden, quantised here in the caller's thread
     w.close()                                         # waits; raises the first write error
 
 * unless max_queued_shards shards are already pending: then it waits for one (bounded memory).
@@ -34,6 +36,7 @@ from .format import (
     FORMAT_NAME,
     FORMAT_VERSION,
     HIDDEN,
+    SCALES,
     SHARDS,
     SMALL_ARRAYS,
     CacheError,
@@ -44,6 +47,8 @@ from .format import (
     NotACacheError,
     shard_key,
 )
+from . import quant
+from .lock import LOCK_NAME
 from .store import PARTIAL, Codec, Store, crc32, zarr_compressors
 
 SMALL_CODEC = "zstd"  # token ids / masks / doc ids: tiny, and zstd shrinks them ~5-20x
@@ -57,9 +62,10 @@ _META_CACHE: dict[tuple, bytes] = {}
 _META_LOCK = threading.Lock()
 
 
-def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, codec: str, attrs: dict) -> bytes:
+def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, codec: str, attrs: dict,
+               typesize: int = 2) -> bytes:
     """zarr.json of an array, produced by zarr itself (so it is valid for the installed zarr)."""
-    key = (shape, chunks, dtype, codec, json.dumps(attrs, sort_keys=True))
+    key = (shape, chunks, dtype, codec, json.dumps(attrs, sort_keys=True), typesize)
     with _META_LOCK:
         if key not in _META_CACHE:
             import zarr
@@ -69,7 +75,7 @@ def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, code
 
             ms = MemoryStore()
             zarr.create_array(ms, name="a", shape=shape, chunks=chunks, dtype=dtype,
-                              compressors=zarr_compressors(codec), fill_value=0, attributes=attrs)
+                              compressors=zarr_compressors(codec, typesize), fill_value=0, attributes=attrs)
             _META_CACHE[key] = sync(ms.get("a/zarr.json", prototype=default_buffer_prototype())).to_bytes()
         return _META_CACHE[key]
 
@@ -92,7 +98,7 @@ def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 VOLATILE_PREFIXES = ("info.run.",)
 # Fields a user sets, checked before the ones derived from them (num_shards, hidden_chunk_tokens when
 # chosen, num_layers), so that a mismatch names the setting that actually changed.
-PRIMARY_FIELDS = ("format", "format_version", "seq_len", "hidden_size", "layer_ids", "hidden_dtype", "num_rows",
+PRIMARY_FIELDS = ("format", "hidden_dtype", "format_version", "seq_len", "hidden_size", "layer_ids", "num_rows",
                   "rows_per_shard", "codec", "hidden_chunk_tokens")
 
 
@@ -156,7 +162,7 @@ def existing_root(store: Store, path: str) -> dict[str, Any] | None:
     except NotACacheError:
         if store.root_is_file():
             raise
-        if not [n for n in store.list_dir("") if not n.endswith(PARTIAL)]:
+        if not [n for n in store.list_dir("") if not n.endswith(PARTIAL) and not n.startswith(LOCK_NAME)]:
             return None
         try:
             return read_root(store)  # another writer may have created it since the first look
@@ -183,15 +189,19 @@ class CacheWriter:
         self.spec = spec
         self.path = str(path)
         self.writer_id = writer_id or f"{socket.gethostname()}:{os.getpid()}"
-        self._hidden_codec = Codec(spec.codec, 2)
+        hdt, sdt = spec.hidden_storage
+        self._hidden_codec = Codec(spec.codec, np.dtype(hdt).itemsize)
+        self._scales_codec = Codec(SMALL_CODEC, np.dtype(sdt).itemsize) if sdt else None
         self._small_codec = Codec(SMALL_CODEC, 4)
         meta = spec.to_metadata()
         existing = existing_root(self.store, self.path)
         if existing is not None and overwrite and create:
-            self.store.delete_prefix("")
+            for name in self.store.list_dir(""):  # everything but the writer's lock (dflash_cache.lock)
+                if not name.startswith(LOCK_NAME):
+                    self.store.delete_prefix(name)
             existing = None
         if existing is not None:
-            if existing.get("format_version") != FORMAT_VERSION:
+            if existing.get("hidden_dtype", "bfloat16") == spec.hidden_dtype and existing.get("format_version") != meta["format_version"]:
                 raise CacheVersionError(f"{self.path} has format version {existing.get('format_version')}; cannot append to it")
             compare_metadata(existing, meta, self.path)
             if self.store.get_json(f"{SHARDS}/zarr.json") is None:  # its creator died before writing it
@@ -214,35 +224,64 @@ class CacheWriter:
     # -- writing ---------------------------------------------------------------------------------
     def _check_arrays(self, shard: int, arrays: dict[str, np.ndarray]) -> int:
         _, rows = self.spec.shard_rows(shard)
-        T, W = self.spec.seq_len, self.spec.row_width
+        T, W = self.spec.seq_len, self.spec.stored_width
         want = {"input_ids": (rows, T), "loss_mask": (rows, T), "doc_ids": (rows, T), HIDDEN: (rows, T, W)}
+        if self.spec.quantized:
+            want[SCALES] = (rows, T, self.spec.scale_width)
         for name, shape in want.items():
             if tuple(arrays[name].shape) != shape:
                 raise CacheError(f"shard {shard}: array '{name}' has shape {tuple(arrays[name].shape)}, expected {shape}")
         return rows
 
-    @staticmethod
-    def _as_numpy(name: str, x) -> np.ndarray:
+    def _as_numpy(self, name: str, x) -> np.ndarray:
         """A numpy view of x. A torch tensor is moved to the CPU here, in the caller's thread."""
         torch = sys.modules.get("torch")  # x can only be a tensor if torch is loaded
+        hdt, sdt = self.spec.hidden_storage
+        want = {HIDDEN: hdt, SCALES: sdt}.get(name)
         if torch is not None and isinstance(x, torch.Tensor):
             if name == HIDDEN:
-                if x.dtype != torch.bfloat16:
-                    raise CacheError(f"hidden must be bfloat16, got {x.dtype}")
-                return x.detach().cpu().view(torch.int16).numpy().view(np.uint16)
+                need = quant.torch_dtypes(self.spec.hidden_dtype)[0]
+                if x.dtype != need:
+                    raise CacheError(f"hidden of a {self.spec.hidden_dtype} cache must be {need}, got {x.dtype}")
+                x = x.detach().cpu()
+                return (x.view(torch.int16).numpy().view(np.uint16) if need == torch.bfloat16 else x.view(torch.uint8).numpy())
             x = x.detach().cpu().numpy()
         x = np.asarray(x)
-        if name == HIDDEN:
-            if x.dtype != np.uint16:
-                raise CacheError(f"hidden must be bf16 bits (uint16) or a torch.bfloat16 tensor, got {x.dtype}")
+        if want is not None:
+            if x.dtype != np.dtype(want):
+                if not self.spec.quantized:
+                    raise CacheError(f"hidden must be bf16 bits (uint16) or a torch.bfloat16 tensor, got {x.dtype}")
+                raise CacheError(f"{name} of a {self.spec.hidden_dtype} cache must be stored as {want}, got {x.dtype}")
             return x
         return x.astype(SMALL_ARRAYS[name], copy=False)
 
-    def _prepare(self, shard: int, input_ids, loss_mask, doc_ids, hidden) -> dict[str, np.ndarray]:
+    def _prepare(self, shard: int, input_ids, loss_mask, doc_ids, hidden, hidden_scales=None) -> dict[str, np.ndarray]:
+        if self.spec.quantized and hidden_scales is None:
+            hidden, hidden_scales = self._quantize_here(hidden)
+        elif not self.spec.quantized and hidden_scales is not None:
+            raise CacheError("hidden_scales given for a bfloat16 cache (it has none)")
         arrays = {"input_ids": input_ids, "loss_mask": loss_mask, "doc_ids": doc_ids, HIDDEN: hidden}
+        if hidden_scales is not None:
+            arrays[SCALES] = hidden_scales
         arrays = {k: self._as_numpy(k, v) for k, v in arrays.items()}
         self._check_arrays(shard, arrays)
         return arrays
+
+    def _quantize_here(self, hidden):
+        """bf16 hidden states (a torch.bfloat16 tensor or bf16 bits as uint16) for a quantised cache: quantise
+        them in the caller's thread (extraction quantises on the GPU instead and passes hidden_scales)."""
+        import torch
+
+        if not isinstance(hidden, torch.Tensor):
+            arr = np.asarray(hidden)
+            if arr.dtype != np.uint16:
+                raise CacheError(f"hidden of a {self.spec.hidden_dtype} cache without hidden_scales must be bf16 "
+                                 f"(a torch.bfloat16 tensor or uint16 bits), got {arr.dtype}")
+            hidden = torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+        elif hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise CacheError(f"hidden of a {self.spec.hidden_dtype} cache without hidden_scales must be a float tensor "
+                             f"to quantise, got {hidden.dtype}")
+        return quant.quantize(hidden, self.spec.hidden_dtype, len(self.spec.layer_ids))
 
     def _put_chunk(self, key: str, arr: np.ndarray, codec: Codec) -> tuple[int, int]:
         c = crc32(arr)
@@ -250,13 +289,14 @@ class CacheWriter:
         self.store.put(key, data)  # raises CacheError naming the file (disk full, ...)
         return c, len(data)
 
-    def write_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden) -> dict[str, Any]:
+    def write_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden, *, hidden_scales=None) -> dict[str, Any]:
         """Write and commit one shard (blocking; chunks are encoded in parallel)."""
-        return self._write(shard, self._prepare(shard, input_ids, loss_mask, doc_ids, hidden))
+        return self._write(shard, self._prepare(shard, input_ids, loss_mask, doc_ids, hidden, hidden_scales))
 
     def _write(self, shard: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         rows = arrays["doc_ids"].shape[0]
-        T, W, C = self.spec.seq_len, self.spec.row_width, self.spec.hidden_chunk_tokens
+        T, W, C = self.spec.seq_len, self.spec.stored_width, self.spec.hidden_chunk_tokens
+        hdt, sdt = self.spec.hidden_storage
         base = shard_key(shard)
         self.store.delete_prefix(base)  # whatever a crashed writer left
         self.store.put(f"{base}/zarr.json", group_json({}))
@@ -267,12 +307,22 @@ class CacheWriter:
                 jobs[name] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{name}", (0, 0)),
                                                       np.ascontiguousarray(arrays[name]), self._small_codec)]
             self.store.put(f"{base}/{HIDDEN}/zarr.json",
-                           array_json((rows, T, W), (1, C, W), "uint16", self.spec.codec,
-                                      {"dtype": self.spec.hidden_dtype, "layer_ids": self.spec.layer_ids}))
+                           array_json((rows, T, W), (1, C, W), hdt, self.spec.codec,
+                                      {"dtype": self.spec.hidden_dtype, "layer_ids": self.spec.layer_ids},
+                                      np.dtype(hdt).itemsize))
             h = arrays[HIDDEN]
             jobs[HIDDEN] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{HIDDEN}", (r, c, 0)),
                                                     h[r, c * C:(c + 1) * C], self._hidden_codec)
                             for r in range(rows) for c in range(T // C)]
+            if sdt is not None:
+                S = self.spec.scale_width
+                self.store.put(f"{base}/{SCALES}/zarr.json",
+                               array_json((rows, T, S), (1, C, S), sdt, SMALL_CODEC,
+                                          {"hidden_dtype": self.spec.hidden_dtype}))
+                sc = arrays[SCALES]
+                jobs[SCALES] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{SCALES}", (r, c, 0)),
+                                                        sc[r, c * C:(c + 1) * C], self._scales_codec)
+                                for r in range(rows) for c in range(T // C)]
             doc = arrays["doc_ids"]
             stats = {
                 "rows": rows,
@@ -300,14 +350,14 @@ class CacheWriter:
         return record
 
     def submit_shard(self, shard: int, input_ids, loss_mask, doc_ids, hidden,
-                     on_done: Callable[[Future], None] | None = None) -> Future:
+                     on_done: Callable[[Future], None] | None = None, *, hidden_scales=None) -> Future:
         """Write a shard in the background. The arrays must stay untouched until the future is done.
 
         Shapes and dtypes are checked (and tensors moved to the CPU) here, in the caller's thread. Returns
         at once unless max_queued_shards shards are pending; then it waits for one to finish, so a writer
         slower than its producer holds bounded memory. Raises the error of an earlier failed shard.
         """
-        arrays = self._prepare(shard, input_ids, loss_mask, doc_ids, hidden)
+        arrays = self._prepare(shard, input_ids, loss_mask, doc_ids, hidden, hidden_scales)
         self.raise_errors()
         while len(self._futures) >= self.max_queued_shards:
             wait(self._futures, return_when=FIRST_COMPLETED)

@@ -7,22 +7,8 @@ answers to the earlier turns. The output is a `messages` dataset that `dflash ex
     generate(model, prompts, eos_ids=..., max_new_tokens=256)      # the generator on its own (tests, bench)
     run_regenerate(RegenerateConfig(target=..., data=..., out=...))  # the command
 
-The generator (Engine) is a plain decoding loop over the HF causal LM (no `model.generate`):
-  * a batch of rows, left-padded: a 2D real-token mask over the KV-cache columns, explicit position ids that count
-    real tokens only, and a 4D boolean attention mask built here (pads hidden; a pad query sees itself, so no row
-    of the softmax is empty and no NaN can reach a real token);
-  * a KV cache (`SlabCache`, a transformers DynamicCache whose layers write into preallocated buffers that grow
-    by amortised steps instead of a torch.cat of the whole cache at every token);
-  * a row leaves the batch when it emits an end-of-sequence id or reaches its max-new-tokens: its rows are dropped
-    from the cache and from the running tensors (and cache columns that became padding for every remaining row
-    are cut), so compute shrinks with the batch;
-  * free slots are refilled from a queue of waiting prompts (longest first within a part): the newcomers are
-    prefilled together (only the last position's logits are computed) and merged into the running batch, their
-    cache right-aligned with it. A multi-turn conversation's next turn joins the queue as soon as its previous
-    turn is done, so there is no barrier between turns, nor between parts;
-  * greedy or temperature/top-p sampling. Sampling draws one uniform per row and step from a counter-based hash of
-    (seed, dataset row, turn, step): the text of a conversation depends on neither the batch it ran in, nor the
-    part size, nor the number of GPUs, so a rerun reproduces it.
+The generator is extract/generate.py (Engine, generate): batched decoding with a KV cache, a queue that refills
+free slots, no barrier between turns or parts, counter-based sampling (a rerun reproduces the text).
 
 The command: conversations are split into parts of --part-size in dataset order; part p belongs to rank p % world.
 A finished part is committed as OUT/data/part-00007.jsonl (written to a temporary name, then renamed) after its
@@ -36,517 +22,40 @@ block lets `datasets.load_dataset(OUT)` find the parts.
 from __future__ import annotations
 
 import glob
-import heapq
-import inspect
 import json
 import math
 import os
 import re
 import shutil
 import time
-from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from dflash.config import ConfigError, check
 
 from .data import ChatTokenizer, DataError, load_chat_dataset, to_messages, tokenizer_fingerprint
-from .target import TargetError, load_causal_lm, load_config, load_tokenizer, target_info, text_config
+from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
+    Engine,
+    Request,
+    Result,
+    check_attention_only,
+    eos_ids_of,
+    generate,
+    kv_bytes_per_token,
+    plan_engine,
+    rng_key,
+    sample,
+    slab_cache,
+    uniforms,
+)
+from .target import load_causal_lm, load_config, load_tokenizer, target_info
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
 META_NAME = "dflash_regenerate.json"  # extract.data skips this name when it scans a directory
 PART_RE = re.compile(r"^part-(\d{5,})\.jsonl$")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# sampling: one uniform per (row, step) from a counter-based hash, so the draw depends on nothing but the row
-
-
-_U64 = np.uint64
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser on uint64 arrays (wrapping arithmetic)."""
-    x = np.asarray(x, dtype=_U64)
-    with np.errstate(over="ignore"):
-        z = x + _U64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return z ^ (z >> _U64(31))
-
-
-def rng_key(*ints: int) -> int:
-    """A 64-bit key for a sequence of non-negative integers, e.g. rng_key(seed, dataset_row, turn)."""
-    h = np.zeros(1, dtype=_U64)
-    for i in ints:
-        h = _splitmix64(h ^ np.array([int(i) & 0xFFFFFFFFFFFFFFFF], dtype=_U64))
-    return int(h[0])
-
-
-def uniforms(keys: Sequence[int], steps: Sequence[int]) -> np.ndarray:
-    """float64 uniforms in [0, 1), one per (key, step)."""
-    k = np.array([int(x) for x in keys], dtype=_U64)
-    s = _splitmix64(np.array([int(x) for x in steps], dtype=_U64))
-    return (_splitmix64(k ^ s) >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None) -> torch.Tensor:
-    """Next token per row of logits [B, V]: argmax when temperature <= 0, else inverse-CDF sampling with the row's
-    uniform u [B] from softmax(logits / T), restricted to the smallest top-p nucleus when top_p < 1."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        probs = probs * ((probs.cumsum(-1) - probs) < top_p)  # the nucleus always keeps the top token
-    else:
-        order = None
-    cdf = probs.double().cumsum(-1)
-    target = (u.to(cdf.device, torch.float64) * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-    if order is not None:
-        idx = order.gather(-1, idx)
-    return idx.squeeze(-1)
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the KV cache: a DynamicCache whose layers keep preallocated buffers (no torch.cat of the whole cache per token)
-
-
-def _query_length(args, kwargs) -> int:
-    q = args[0] if args else kwargs.get("query_length", kwargs.get("cache_position"))
-    return int(q) if isinstance(q, int) else int(q.shape[0])
-
-
-def _dynamic_layer_cls():
-    from transformers.cache_utils import DynamicLayer
-
-    class SlabLayer(DynamicLayer):
-        """keys/values live in buf[:, :, :n] of [B, Hkv, capacity, D] buffers; capacity grows by >= 25%."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.n = 0
-            self.kbuf = self.vbuf = None
-
-        def _set(self, kbuf, vbuf, n):
-            self.kbuf, self.vbuf, self.n = kbuf, vbuf, n
-            self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]
-            self.is_initialized = True
-            self.dtype, self.device = kbuf.dtype, kbuf.device
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            t = key_states.shape[-2]
-            need = self.n + t
-            if self.kbuf is None or need > self.kbuf.shape[2]:
-                B, H, _, D = key_states.shape
-                cap = need + max(64, need // 4)
-                kb = key_states.new_empty(B, H, cap, D)
-                vb = value_states.new_empty(B, H, cap, value_states.shape[-1])
-                if self.n:
-                    kb[:, :, : self.n] = self.kbuf[:, :, : self.n]
-                    vb[:, :, : self.n] = self.vbuf[:, :, : self.n]
-                self.kbuf, self.vbuf = kb, vb
-            self.kbuf[:, :, self.n: need] = key_states
-            self.vbuf[:, :, self.n: need] = value_states
-            self._set(self.kbuf, self.vbuf, need)
-            return self.keys, self.values
-
-        def get_seq_length(self, *args, **kwargs) -> int:
-            return self.n
-
-        def get_mask_sizes(self, *args, **kwargs):
-            return self.n + _query_length(args, kwargs), 0
-
-        def crop(self, tokens_to_remove: int) -> None:  # not used here; keep the semantics of DynamicLayer
-            if tokens_to_remove:
-                n = self.n - abs(tokens_to_remove) if tokens_to_remove < 0 else tokens_to_remove
-                self._set(self.kbuf, self.vbuf, max(0, n))
-
-        def batch_select_indices(self, indices):
-            self.select(indices, 0)
-
-        def select(self, rows: torch.Tensor, trim: int) -> None:
-            """Keep batch rows `rows` and drop the first `trim` columns."""
-            if self.kbuf is None:
-                return
-            n = self.n - trim
-            kb = self.kbuf.new_empty(len(rows), self.kbuf.shape[1], n + max(64, n // 4), self.kbuf.shape[3])
-            vb = self.vbuf.new_empty(len(rows), self.vbuf.shape[1], kb.shape[2], self.vbuf.shape[3])
-            kb[:, :, :n] = self.kbuf[rows, :, trim: self.n]
-            vb[:, :, :n] = self.vbuf[rows, :, trim: self.n]
-            self._set(kb, vb, n)
-
-        def zero_columns(self, pad: torch.Tensor) -> None:
-            """Zero the keys/values where pad [B, n] is True (left padding of a prefill)."""
-            m = pad[:, None, :, None]
-            self.kbuf[:, :, : self.n].masked_fill_(m, 0)
-            self.vbuf[:, :, : self.n].masked_fill_(m, 0)
-
-        @staticmethod
-        def stack(a: SlabLayer, b: SlabLayer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """Buffers holding a's rows then b's rows, each right-aligned to `width` columns, zeros on the left."""
-            B1, B2 = a.kbuf.shape[0], b.kbuf.shape[0]
-            cap = width + max(64, width // 4)
-            out = []
-            for x, y in ((a.kbuf, b.kbuf), (a.vbuf, b.vbuf)):
-                buf = x.new_empty(B1 + B2, x.shape[1], cap, x.shape[3])
-                for lo, hi, src, n in ((0, B1, x, a.n), (B1, B1 + B2, y, b.n)):
-                    pad = width - n
-                    if pad:
-                        buf[lo:hi, :, :pad].zero_()
-                    buf[lo:hi, :, pad:width] = src[:, :, :n]
-                out.append(buf)
-            return out[0], out[1]
-
-    return SlabLayer
-
-
-_SLAB_LAYER = None
-
-
-def slab_cache():
-    """A new empty SlabCache (a transformers DynamicCache of SlabLayers, created lazily, one per decoder layer)."""
-    global _SLAB_LAYER
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache
-
-    if _SLAB_LAYER is None:
-        _SLAB_LAYER = _dynamic_layer_cls()
-    cache = DynamicCache.__new__(DynamicCache)
-    Cache.__init__(cache, layer_class_to_replicate=_SLAB_LAYER)
-    return cache
-
-
-def _cache_select(cache, rows: torch.Tensor, trim: int) -> None:
-    for layer in cache.layers:
-        layer.select(rows, trim)
-
-
-def _cache_stack(a, b, width: int):
-    out = slab_cache()
-    for la, lb in zip(a.layers, b.layers):
-        layer = _SLAB_LAYER()
-        layer._set(*_SLAB_LAYER.stack(la, lb, width), width)
-        out.layers.append(layer)
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# the generator
-
-
-@dataclass
-class Request:
-    prompt: list[int]  # token ids (the chat template already applied)
-    max_new_tokens: int
-    key: Any = None  # the caller's handle, returned in the Result
-    rng_key: int = 0  # sampling stream of this request (rng_key(seed, row, turn)); unused when greedy
-    priority: tuple = ()  # smaller first
-
-
-@dataclass
-class Result:
-    key: Any
-    tokens: list[int]  # the generated ids, without the end-of-sequence id that stopped it
-    stopped: bool  # True: ended by an end-of-sequence id; False: cut at max_new_tokens (truncated)
-    prompt_len: int
-    generated: int  # tokens the model produced, the stop id included
-
-    @property
-    def truncated(self) -> bool:
-        return not self.stopped
-
-
-@dataclass
-class _Row:
-    req: Request
-    out: list[int] = field(default_factory=list)
-
-
-def eos_ids_of(model, tokenizer=None) -> set[int]:
-    """End-of-sequence ids: the tokenizer's eos plus the model's generation_config eos ids."""
-    ids: list = []
-    for src in (getattr(tokenizer, "eos_token_id", None),
-                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                getattr(text_config(model.config), "eos_token_id", None) if tokenizer is None else None):
-        ids += src if isinstance(src, (list, tuple)) else [src]
-    return {int(i) for i in ids if i is not None}
-
-
-def check_attention_only(cfg, name: str) -> None:
-    kinds = set(getattr(text_config(cfg), "layer_types", None) or ["full_attention"])
-    bad = kinds - {"full_attention", "sliding_attention"}
-    if bad:
-        raise TargetError(f"{name}: layer types {sorted(bad)} are not supported by the generator "
-                          "(attention layers only)")
-
-
-def _gqa_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
-    """HF attention function (registered as "dflash_sdpa"): SDPA with our boolean 4D mask. For one query token
-    with grouped KV heads the query heads are folded onto their KV head ([B, Hkv, rep, D] against [B, Hkv, N, D]),
-    so the cache is never copied rep times (transformers < 5.2x calls repeat_kv on the whole cache whenever a mask
-    is given: 4x the cache written and read per layer and step for Qwen3-8B)."""
-    B, H, q, D = query.shape
-    Hkv = key.shape[1]
-    if q == 1 and H != Hkv:
-        out = torch.nn.functional.scaled_dot_product_attention(
-            query.reshape(B, Hkv, H // Hkv, D), key, value, attn_mask=attention_mask, scale=scaling)
-        out = out.reshape(B, H, 1, value.shape[-1])
-    else:
-        if H != Hkv:
-            key = key.repeat_interleave(H // Hkv, dim=1)
-            value = value.repeat_interleave(H // Hkv, dim=1)
-        out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
-                                                               scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-_ATTN = "dflash_sdpa"
-_ATTN_REGISTERED = False
-
-
-def _attention_impl(model):
-    """Context: the model's sdpa attention replaced by _gqa_sdpa for the duration of a forward."""
-    import contextlib
-
-    global _ATTN_REGISTERED
-    cfg = model.config
-    if getattr(cfg, "_attn_implementation", None) != "sdpa":
-        return contextlib.nullcontext()
-    if not _ATTN_REGISTERED:
-        from transformers import AttentionInterface
-
-        AttentionInterface.register(_ATTN, _gqa_sdpa)
-        _ATTN_REGISTERED = True
-
-    @contextlib.contextmanager
-    def swap():
-        cfg._attn_implementation = _ATTN
-        try:
-            yield
-        finally:
-            cfg._attn_implementation = "sdpa"
-
-    return swap()
-
-
-def _sdpa_backends():
-    """SDPA without the cuDNN backend: it builds a new cuDNN graph for every new key length (every decode step),
-    ~2 ms of CPU per attention call on an H200; the memory-efficient kernel takes the boolean mask directly."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
-class Engine:
-    """Batched decoding with a KV cache: add() requests, step() until idle; step() returns finished Results.
-
-    batch_size: rows decoded together. max_batch_tokens: bound on rows x cache columns, checked when rows are
-    admitted against the columns the batch can reach (admitted rows may all still run to max_new_tokens).
-    prefill_tokens: bound on padded prompt tokens per prefill forward. refill: admit waiting prompts once at least
-    this many slots are free (default a quarter of the batch; always when the batch is empty).
-    """
-
-    def __init__(self, model, *, eos_ids: Iterable[int], batch_size: int, max_batch_tokens: int,
-                 prefill_tokens: int, temperature: float = 0.0, top_p: float = 1.0, pad_id: int = 0,
-                 refill: int | None = None):
-        self.model = model
-        self.device = next(model.parameters()).device
-        self.eos = frozenset(int(i) for i in eos_ids)
-        self.batch_size = int(batch_size)
-        self.max_batch_tokens = int(max_batch_tokens)
-        self.prefill_tokens = int(prefill_tokens)
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.pad_id = int(pad_id)
-        self.refill = max(1, int(refill if refill is not None else self.batch_size // 4))
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._keep_kw = "logits_to_keep" if "logits_to_keep" in params else None
-        self.pending: list[tuple[tuple, int, Request]] = []
-        self._seq = 0
-        self.rows: list[_Row] = []
-        self.cache = None
-        self.mask: torch.Tensor | None = None  # bool [B, n]: cache column holds a real token
-        self.last: torch.Tensor | None = None  # long [B]: the newest token, not yet in the cache
-        self.pos: torch.Tensor | None = None  # long [B]: its position (= real tokens in the cache)
-        self.steps = 0
-        self.prefills = 0
-        self.generated = 0
-        self.prompt_tokens = 0
-        self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}  # wall time per phase (host-synced)
-
-    # -- queue --------------------------------------------------------------------------------------------------
-    def add(self, req: Request) -> None:
-        if len(req.prompt) < 1:
-            raise ValueError("empty prompt")
-        if req.max_new_tokens < 1:
-            raise ValueError("max_new_tokens must be >= 1")
-        heapq.heappush(self.pending, (req.priority, self._seq, req))
-        self._seq += 1
-
-    @property
-    def busy(self) -> bool:
-        return bool(self.rows or self.pending)
-
-    def step(self) -> list[Result]:
-        """Fill the free slots with waiting prompts (once `refill` slots are free), then decode one token per row."""
-        done: list[Result] = []
-        if self.pending and (not self.rows or self.batch_size - len(self.rows) >= self.refill):
-            t = time.perf_counter()
-            while self.pending and len(self.rows) < self.batch_size:  # fill every free slot the budgets allow
-                admitted, finished = self._admit()
-                done += finished
-                if not admitted:
-                    break
-            self.seconds["prefill"] += time.perf_counter() - t
-        if self.rows:
-            t = time.perf_counter()
-            done += self._decode()
-            self.seconds["decode"] += time.perf_counter() - t
-        return done
-
-    # -- internals ----------------------------------------------------------------------------------------------
-    def _forward(self, ids, pos, mask4, cache):
-        kw = {"input_ids": ids, "position_ids": pos, "attention_mask": mask4, self._cache_kw: cache,
-              "use_cache": True}
-        if self._keep_kw:
-            kw[self._keep_kw] = 1
-        with _sdpa_backends(), _attention_impl(self.model):
-            logits = self.model(**kw).logits
-        return logits[:, -1].float()
-
-    def _sample(self, logits: torch.Tensor, rows: list[_Row]) -> torch.Tensor:
-        u = None
-        if self.temperature > 0:
-            u = torch.from_numpy(uniforms([r.req.rng_key for r in rows], [len(r.out) for r in rows]))
-        return sample(logits, self.temperature, self.top_p, u)
-
-    def _admit(self) -> tuple[int, list[Result]]:
-        """Prefill one chunk of waiting prompts (within the budgets) into the batch: (admitted, finished)."""
-        free = self.batch_size - len(self.rows)
-        n_now = 0 if self.mask is None else self.mask.shape[1]
-        reach = max((r.req.max_new_tokens - len(r.out) for r in self.rows), default=0)
-        chosen: list[Request] = []
-        width = 0
-        while self.pending and len(chosen) < free:
-            req = self.pending[0][2]
-            w = max(width, len(req.prompt))
-            r = max(reach, req.max_new_tokens)
-            rows = len(self.rows) + len(chosen) + 1
-            if chosen and (len(chosen) + 1) * w > self.prefill_tokens:
-                break
-            if rows > 1 and rows * (max(n_now, w) + r) > self.max_batch_tokens:
-                break
-            heapq.heappop(self.pending)
-            chosen.append(req)
-            width, reach = w, r
-        if not chosen:
-            return 0, []
-        return len(chosen), self._prefill(chosen, width)
-
-    @torch.inference_mode()
-    def _prefill(self, reqs: list[Request], width: int) -> list[Result]:
-        k, dev = len(reqs), self.device
-        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
-        real = torch.zeros((k, width), dtype=torch.bool)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
-            real[i, width - len(r.prompt):] = True
-        ids, real = ids.to(dev), real.to(dev)
-        pos = (real.long().cumsum(-1) - 1).clamp_(min=0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
-        eye = torch.eye(width, dtype=torch.bool, device=dev)
-        mask4 = (causal & (real[:, None, :] | eye))[:, None]  # [k, 1, q, kv]; a pad query sees only itself
-        cache = slab_cache()
-        logits = self._forward(ids, pos, mask4, cache)
-        if not bool(real.all()):
-            for layer in cache.layers:
-                layer.zero_columns(~real)
-        rows = [_Row(r) for r in reqs]
-        first = self._sample(logits, rows)
-        self.prefills += 1
-        self.prompt_tokens += sum(len(r.prompt) for r in reqs)
-        # merge into the running batch, right-aligned
-        if not self.rows:
-            self.cache, self.mask, self.last, self.pos = cache, real, first, real.sum(-1)
-        else:
-            n_old = self.mask.shape[1]
-            w = max(n_old, width)
-            pad = torch.nn.functional.pad
-            self.cache = _cache_stack(self.cache, cache, w)
-            self.mask = torch.cat([pad(self.mask, (w - n_old, 0)), pad(real, (w - width, 0))], 0)
-            self.last = torch.cat([self.last, first])
-            self.pos = torch.cat([self.pos, real.sum(-1)])
-        base = len(self.rows)
-        self.rows.extend(rows)
-        return self._emit(first.tolist(), start=base)
-
-    @torch.inference_mode()
-    def _decode(self) -> list[Result]:
-        B = len(self.rows)
-        self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
-        logits = self._forward(self.last[:, None], self.pos[:, None], self.mask[:, None, None, :], self.cache)
-        self.pos = self.pos + 1
-        self.last = self._sample(logits, self.rows)
-        self.steps += 1
-        return self._emit(self.last.tolist(), start=0)
-
-    def _emit(self, tokens: list[int], start: int) -> list[Result]:
-        """Append tokens to rows start.., retire the rows that are done (returned as Results)."""
-        done, keep = [], list(range(start))
-        for i, t in enumerate(tokens, start):
-            row = self.rows[i]
-            row.out.append(t)
-            self.generated += 1
-            stop = t in self.eos
-            if stop or len(row.out) >= row.req.max_new_tokens:
-                toks = row.out[:-1] if stop else row.out
-                done.append(Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out)))
-            else:
-                keep.append(i)
-        if done:
-            t = time.perf_counter()
-            self._retain(keep)
-            self.seconds["batch_edit"] += time.perf_counter() - t
-        return done
-
-    def _retain(self, keep: list[int]) -> None:
-        if not keep:
-            self.rows, self.cache, self.mask, self.last, self.pos = [], None, None, None, None
-            return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        mask = self.mask[idx]
-        trim = int(mask.any(0).long().argmax())  # leading columns that are padding for every kept row
-        self.mask = mask[:, trim:]
-        self.last, self.pos = self.last[idx], self.pos[idx]
-        _cache_select(self.cache, idx, trim)
-        self.rows = [self.rows[i] for i in keep]
-
-
-def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int], max_new_tokens: int | Sequence[int],
-             batch_size: int = 32, max_batch_tokens: int = 1 << 20, prefill_tokens: int = 8192,
-             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, pad_id: int = 0,
-             refill: int | None = None, on_result=None) -> list[Result]:
-    """Generate for every prompt (token ids); Results in prompt order. Longest prompts are admitted first.
-    max_new_tokens may be one int or one per prompt. Sampling stream of prompt i: rng_key(seed, i)."""
-    eng = Engine(model, eos_ids=eos_ids, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
-                 prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id, refill=refill)
-    mnt = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    for i, p in enumerate(prompts):
-        eng.add(Request(list(map(int, p)), int(mnt[i]), key=i, rng_key=rng_key(seed, i), priority=(-len(p), i)))
-    out: list[Result | None] = [None] * len(prompts)
-    while eng.busy:
-        for r in eng.step():
-            out[r.key] = r
-            if on_result is not None:
-                on_result(r)
-    return out  # type: ignore[return-value]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -608,31 +117,6 @@ _SETTING_FLAGS = {"data": "data", "split": "split", "max_samples": "max_samples"
                   "chat_template_kwargs": "chat_template_kwargs", "part_size": "part_size", "dtype": "dtype",
                   "stop_at_eos": "stop_at_eos", "rows": "data", "chat_template_fingerprint": "chat_template",
                   "tokenizer_fingerprint": "target", "target": "target"}
-
-
-def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    c = text_config(cfg)
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def plan_engine(cfg_hf, dtype, device: torch.device, batch_size=0, max_batch_tokens=0, prefill_tokens=0):
-    """(batch_size, max_batch_tokens, prefill_tokens) with the defaults filled in."""
-    cuda = device.type == "cuda"
-    batch = batch_size or (256 if cuda else 32)
-    prefill = prefill_tokens or (16384 if cuda else 2048)
-    if not max_batch_tokens:
-        per = kv_bytes_per_token(cfg_hf, dtype)
-        if cuda:
-            free, _ = torch.cuda.mem_get_info(device)
-            c = text_config(cfg_hf)
-            act = prefill * (6 * getattr(c, "intermediate_size", 4 * c.hidden_size) + 16 * c.hidden_size) * 2
-            budget = int(0.85 * free) - act - (2 << 30)
-        else:
-            budget = 4 << 30
-        max_batch_tokens = max(budget // per, 4096)
-    return batch, int(max_batch_tokens), prefill
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -751,12 +235,21 @@ def _remove_ours(out: str) -> None:
             os.remove(os.path.join(out, name))
 
 
+def check_out(out: str) -> dict | None:
+    """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into)."""
+    from dflash_cache.lock import LOCK_NAME
+
+    old = read_meta(out) if os.path.isdir(out) else None
+    entries = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_NAME)) if os.path.isdir(out) else []
+    if old is None and entries:
+        raise ConfigError(f"--out: {out} exists and is not a dflash regenerate output (it holds "
+                          f"{', '.join(entries[:5])}); choose an empty or new directory")
+    return old
+
+
 def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
     """Create OUT or check that it holds this regeneration (rank 0 only). Never deletes files it did not write."""
-    old = read_meta(out) if os.path.isdir(out) else None
-    if old is None and os.path.isdir(out) and os.listdir(out):
-        raise ConfigError(f"--out: {out} exists and is not a dflash regenerate output (it holds "
-                          f"{', '.join(sorted(os.listdir(out))[:5])}); choose an empty or new directory")
+    old = check_out(out)
     if old is not None and old.get("format") != FORMAT:
         raise ConfigError(f"--out: {out}/{META_NAME} is not a {FORMAT} record; choose another directory")
     if old is not None and not overwrite:
@@ -827,10 +320,18 @@ def finalize(out: str, meta: dict) -> dict | None:
 
 
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
-    from dflash import progress
-    from dflash.dist import barrier, compute_init, print0, resolve_dtype
+    from dflash.dist import compute_init
+    from dflash.paths import output_lock
 
     dist = compute_init(cfg.device)
+    with output_lock(cfg.out, "regenerate", dist.is_main, precheck=check_out):  # one writer per OUT
+        return _run_regenerate(cfg, dist)
+
+
+def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
+    from dflash import progress
+    from dflash.dist import barrier, print0, resolve_dtype
+
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)
     show = cfg.progress and dist.is_main
@@ -885,6 +386,7 @@ def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
                "generated_tokens_this_rank": run_stats["generated_tokens"],
                "generation_s_this_rank": gen_s,
                "tokens_per_s_this_rank": run_stats["generated_tokens"] / gen_s if gen_s > 0 else 0.0,
+               "engine_this_rank": run_stats.get("engine"),  # decode steps, prefills, seconds per phase
                "counts": totals}
     if dist.is_main and totals is not None:
         if not todo:
@@ -989,5 +491,9 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                 last_post = now
     finally:
         bar.close()
-    return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0}
+    return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0,
+            "engine": {"decode_steps": eng.steps, "prefills": eng.prefills, "compactions": eng.compactions,
+                       "prompt_tokens": eng.prompt_tokens,
+                       "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
+                       "seconds": dict(eng.seconds)}}
 

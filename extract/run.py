@@ -6,8 +6,10 @@ job over machines that share the cache's filesystem or object store. Every rank 
 packs the whole dataset identically (deterministic), then runs only its shards.
 
 The GPU never waits on the disk: each forward writes the captured layers into one of two device
-buffers; a side stream copies it asynchronously into a pinned host buffer (one per shard in
-flight); when a shard's last copy has landed (polled with event.query() from this, the only
+buffers; with --hidden-dtype fp8/fp4 it is quantised there, on the device, into a second pair of
+device buffers (bytes + scales: the host copy moves half or a quarter of the bf16 bytes); a side
+stream copies it asynchronously into a pinned host buffer (one per shard in flight); when a shard's
+last copy has landed (polled with event.query() from this, the only
 CUDA thread), the shard goes to the cache writer, whose threads compress, checksum and write it.
 The main thread blocks only when every host buffer is still being written (disk-bound).
 """
@@ -27,7 +29,8 @@ import dflash_cache
 from dflash import progress
 from dflash.config import check
 from dflash.dist import barrier, compute_init, print0, resolve_dtype
-from dflash_cache import CacheSpec, CacheWriter
+from dflash.paths import output_lock
+from dflash_cache import CacheSpec, CacheWriter, quant
 
 from .assign import assign_shards, shard_real_tokens, writer_threads_per_rank
 from .data import (
@@ -58,12 +61,13 @@ class ExtractConfig:
     max_samples: int | None = None
     seq_len: int = 2048
     layers: list[int] | None = None  # None: DFlash's rule (num_context_layers ids from 1 to L-3)
-    num_context_layers: int = 5
+    num_context_layers: int | None = None  # None: 5, or every id of the rule's range for a shallower target
     rows_per_shard: int = 0  # 0: about 512 MB of hidden states per shard
     batch_rows: int = 0  # rows per target forward; 0: ~16k tokens
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     attn: str = "auto"  # flex (GPU) or sdpa
     codec: str = "zstd"  # measured: ~1.27x on bf16 hidden states at >5 GB/s on 16 cores; lz4 only ~1.06x
+    hidden_dtype: str = "bf16"  # bf16 | fp8 | fp4 (dflash_cache.quant: quantised on the device before the copy)
     writer_threads: int | None = None  # None: this process's cores / extraction ranks on the node
     host_buffers: int = 3
     chat_template: str | None = None
@@ -81,12 +85,14 @@ class ExtractConfig:
         check(bool(self.out), "out", "is required (the cache path or URL)")
         check(self.seq_len >= 16, "seq_len", f"must be >= 16, got {self.seq_len}")
         check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be positive")
-        check(self.num_context_layers >= 1, "num_context_layers", "must be >= 1")
+        check(self.num_context_layers is None or self.num_context_layers >= 1, "num_context_layers", "must be >= 1")
         check(self.rows_per_shard >= 0, "rows_per_shard", f"must be >= 0 (0: about 512 MB per shard), got {self.rows_per_shard}")
         check(self.batch_rows >= 0, "batch_rows", f"must be >= 0 (0: about 16k tokens per forward), got {self.batch_rows}")
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.attn in ("auto", "flex", "sdpa"), "attn", f"must be auto, flex or sdpa, got {self.attn!r}")
         check(self.codec in dflash_cache.format.CODECS, "codec", f"must be one of {list(dflash_cache.format.CODECS)}")
+        check(self.hidden_dtype in quant.CLI_NAMES, "hidden_dtype",
+              f"must be one of {', '.join(quant.CLI_NAMES)}, got {self.hidden_dtype!r}")
         check(self.writer_threads is None or self.writer_threads >= 1, "writer_threads", f"must be >= 1, got {self.writer_threads}")
         check(self.compile in ("auto", "on", "off"), "compile", f"must be auto, on or off, got {self.compile!r}")
         check(self.tokenize_workers >= 0, "tokenize_workers", f"must be >= 0 (0: every core), got {self.tokenize_workers}")
@@ -102,7 +108,21 @@ def plan_sizes(cfg: ExtractConfig, row_bytes: int) -> tuple[int, int]:
 
 
 def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
+    """The command; rank 0 holds the output's lock throughout (one writer per cache: dflash_cache.lock)."""
     dist = compute_init(cfg.device)
+    with output_lock(cfg.out, "extract", dist.is_main, precheck=_refuse_non_cache):
+        return _run_extract(cfg, dist)
+
+
+def _refuse_non_cache(out: str) -> None:
+    """An --out that exists and is not a dflash cache (a file, a user's folder) is never written into."""
+    from dflash_cache.store import Store
+    from dflash_cache.writer import existing_root
+
+    existing_root(Store(out), out)
+
+
+def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)
     attn = cfg.attn if cfg.attn != "auto" else ("flex" if dev.type == "cuda" else "sdpa")
@@ -116,8 +136,12 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     else:
         from train.model import default_layer_ids
 
+        L, K = tc.num_hidden_layers, cfg.num_context_layers
+        if K is not None and K > max(1, L - 3):
+            raise TargetError(f"--num-context-layers {K}: the default rule picks distinct layer ids from 1 to L-3 = {L - 3} "
+                              f"of {cfg.target} ({L} layers): at most {max(1, L - 3)}; or name them with --layers")
         try:
-            default = default_layer_ids(tc.num_hidden_layers, cfg.num_context_layers)
+            default = default_layer_ids(tc.num_hidden_layers, K or 5)
         except ValueError as e:  # a target too shallow for the rule: a clear error naming the flag, not a traceback
             raise TargetError(f"--layers: {e}") from e
         layer_ids = validate_layer_ids(default, tc.num_hidden_layers, cfg.target)
@@ -132,7 +156,11 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
     lengths = data.lengths
     plan = pack(lengths, cfg.seq_len)
     pstats = pack_stats(plan, lengths, cfg.seq_len)
-    row_bytes = cfg.seq_len * len(layer_ids) * H * 2
+    hidden_dtype = quant.resolve(cfg.hidden_dtype)
+    why = quant.check_shape(hidden_dtype, H)
+    if why:
+        raise TargetError(f"--hidden-dtype {cfg.hidden_dtype}: {why}")
+    row_bytes = cfg.seq_len * len(layer_ids) * H * 2  # shard sizes stay those of bf16 (same rows per shard)
     batch_rows, rows_per_shard = plan_sizes(cfg, row_bytes)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
 
@@ -147,13 +175,21 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         "extraction": {"dtype": str(dtype).replace("torch.", ""), "attn": attn, "pad_id": int(pad_id)},
         "run": {"batch_rows": batch_rows, "world": dist.world, "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
     }
+    weights = _weights_record(cfg, tc) if dist.is_main else None
+    if weights is not None:
+        info["weights"] = weights
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
-                     rows_per_shard=rows_per_shard, codec=cfg.codec, info=info)
+                     rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
     threads = cfg.writer_threads or writer_threads_per_rank()
     if dist.is_main:
         writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=threads, writer_id=f"rank{dist.rank}")
     barrier()
     if not dist.is_main:
+        recorded = dflash_cache.open(cfg.out, allow_incomplete=True).metadata.get("info", {}).get("weights")
+        if recorded is not None:  # rank 0 hashed the target and checked it; the other ranks adopt its record
+            info["weights"] = recorded
+        spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
+                         rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
         writer = CacheWriter(cfg.out, spec, threads=threads, writer_id=f"rank{dist.rank}")
     shard_tokens = shard_real_tokens(plan, lengths, rows_per_shard)
     mine = assign_shards(shard_tokens, dist.world)[dist.rank]
@@ -203,17 +239,50 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
         print0(f"extract: wrote {done_tokens:,} real tokens on rank 0 in {elapsed:.1f} s "
                f"({summary['tokens_per_s_this_rank']:,.0f} tok/s); cache {'complete' if c.complete else 'INCOMPLETE'}: "
                f"{len(c)} rows, {c.real_tokens:,} real tokens -> {cfg.out}")
+        if not todo and mine:
+            print0(f"extract: nothing to do: every shard was already committed (not re-read: `dflash cache verify "
+                   f"{cfg.out}` checks every byte, and --repair un-commits bad shards for the next run to redo)")
     return summary
+
+
+def _weights_record(cfg: ExtractConfig, tc) -> dict | None:
+    """The content fingerprint of the target's weights for the cache's root (info.weights), checked against the
+    existing cache on resume: other weights are an error naming the tensor. None for a cache written before
+    fingerprints were recorded (resumed without the check, with a note)."""
+    from dflash.weights import compare_full, fingerprint
+    from dflash_cache.store import Store
+    from dflash_cache.writer import existing_root
+
+    fp = fingerprint(cfg.target, tied=bool(getattr(tc, "tie_word_embeddings", False)))
+    existing = None if cfg.overwrite else existing_root(Store(cfg.out), cfg.out)
+    if existing is None:
+        return fp.as_dict()
+    recorded = (existing.get("info") or {}).get("weights")
+    if recorded is None:
+        print0(f"extract: note: {cfg.out} records no content fingerprint of its target's weights (written by an older "
+               f"dflash): cannot check that the new shards come from the same weights as the old ones")
+        return None
+    diff = compare_full(recorded, fp)
+    if diff:
+        raise TargetError(f"--target {cfg.target}: the cache {cfg.out} was extracted from other weights ({diff}); "
+                          "resume with the target it was started with, or pass --overwrite to start over")
+    return fp.as_dict()
 
 
 def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> int:
     T, W = spec.seq_len, spec.row_width
     cuda = dev.type == "cuda"
     free: queue.Queue[int] = queue.Queue()
-    slots = [torch.empty(spec.rows_per_shard, T, W, dtype=torch.bfloat16, pin_memory=cuda) for _ in range(cfg.host_buffers)]
+    # what is stored per token: hidden (bf16, fp8 bytes or packed fp4) and, quantised, its scales
+    hidden_t, scales_t = quant.torch_dtypes(spec.hidden_dtype)
+    stored = [(spec.stored_width, hidden_t)] + ([(spec.scale_width, scales_t)] if spec.quantized else [])
+    slots = [[torch.empty(spec.rows_per_shard, T, w, dtype=dt, pin_memory=cuda) for w, dt in stored]
+             for _ in range(cfg.host_buffers)]
     for i in range(len(slots)):
         free.put(i)
     gbufs = [torch.empty(batch_rows, T, W, dtype=torch.bfloat16, device=dev) for _ in range(2 if cuda else 1)]
+    qbufs = [[torch.empty(batch_rows, T, w, dtype=dt, device=dev) for w, dt in stored] for _ in gbufs] \
+        if spec.quantized else None
     copy_stream = torch.cuda.Stream(dev) if cuda else None
     copied: list[torch.cuda.Event | None] = [None] * len(gbufs)
     pending: list[tuple[int, int, dict, Any]] = []  # (shard, slot, arrays, event of its last copy)
@@ -225,8 +294,9 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     def submit(item):
         shard, slot, arrays, _ = item
         n = arrays["input_ids"].shape[0]
-        writer.submit_shard(shard, arrays["input_ids"], arrays["loss_mask"], arrays["doc_ids"], slots[slot][:n],
-                            on_done=lambda fut, slot=slot: free.put(slot))
+        writer.submit_shard(shard, arrays["input_ids"], arrays["loss_mask"], arrays["doc_ids"], slots[slot][0][:n],
+                            on_done=lambda fut, slot=slot: free.put(slot),
+                            hidden_scales=slots[slot][1][:n] if spec.quantized else None)
 
     def flush(block: bool):
         while pending and (block or pending[0][3] is None or pending[0][3].query()):
@@ -263,14 +333,21 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
                 out = gbufs[b][:rows]
                 target.run(ids, pos, doc, out)
+                src = [out[: j - i]]
+                if spec.quantized:  # on the device, before the copy: the host gets bytes + scales
+                    src = [qb[: j - i] for qb in qbufs[b]]
+                    for buf, q in zip(src, quant.quantize(out[: j - i], spec.hidden_dtype, len(spec.layer_ids))):
+                        buf.copy_(q)
                 if cuda:
                     ready = torch.cuda.current_stream(dev).record_event()
                     copy_stream.wait_event(ready)
                     with torch.cuda.stream(copy_stream):
-                        host[i:j].copy_(out[: j - i], non_blocking=True)
+                        for h, d in zip(host, src):
+                            h[i:j].copy_(d, non_blocking=True)
                         copied[b] = copy_stream.record_event()
                 else:
-                    host[i:j].copy_(out[: j - i])
+                    for h, d in zip(host, src):
+                        h[i:j].copy_(d)
                 nbatch += 1
                 real = int(np.count_nonzero(arrays["doc_ids"][i:j]))
                 done += real

@@ -78,7 +78,8 @@ def config_fingerprint(cfg) -> str:
 
 
 def weights_fingerprint(path: str) -> str:
-    """Cheap identity of the weight files: names and sizes (hashing terabytes of weights is not cheap)."""
+    """Cheap identity of the weight files: names and sizes. Not proof of the same weights (a fine-tune has the same
+    names and sizes): the content fingerprint is dflash.weights, recorded in a cache as info.weights."""
     d, gguf = resolve_target(path)
     files = [gguf] if gguf else sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".bin", ".pt")))
     return hashlib.sha256(json.dumps([(f, os.path.getsize(os.path.join(d, f))) for f in files]).encode()).hexdigest()[:16]

@@ -109,7 +109,7 @@ def test_dflash_proposer_drafts_what_the_drafter_predicts(model):
     logits, hidden = t.forward(torch.tensor([prompt]), 0, hidden=True)
     p = DFlashProposer(d, 64)
     p.start(hidden)
-    draft = p.propose(prompt, 9, len(prompt))
+    draft = p.propose(prompt, 9, len(prompt)).tolist()  # on the device: no host sync to build the block
     with torch.inference_mode():
         cache = d.new_cache(1, 64)
         d.extend_context(cache, hidden, torch.arange(len(prompt))[None])
@@ -171,3 +171,83 @@ def test_eval_cli_reports_tau_speed_losslessness_and_plot(target_dir, tmp_path, 
     bad = subprocess.run([sys.executable, "-m", "dflash", "eval", "--target", target_dir, "--drafter",
                           str(tmp_path / "nope"), "--data", data], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0
+
+
+def test_target_alone_runs_the_same_loop_and_matches_an_independent_greedy_decode(model):
+    """greedy() is speculative() with a zero-length draft; its output is HF's own greedy decoding."""
+    t = Target(model, None)
+    for prompt in PROMPTS:
+        ours = greedy(t, prompt, 12, eos=set(), margins=True)
+        with torch.inference_mode():
+            ids = torch.tensor([prompt])
+            ref = []
+            for _ in range(12):
+                nxt = int(model(input_ids=ids).logits[0, -1].argmax())
+                ref.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], 1)
+        assert ours.tokens == ref
+        assert ours.accept_lengths == [1] * 11 and ours.steps == 11  # one 1-token verify per token
+        assert len(ours.margins) == 12 and all(m >= 0 for m in ours.margins)
+        assert ours.seconds >= ours.prefill_s + ours.verify_s * 0.5 and ours.draft_s >= 0
+
+
+def test_differences_are_classified_by_the_margin_at_the_first_differing_token():
+    from train.eval import classify_differences
+
+    ref = [Decode([1, 2, 3], margins=[5.0, 0.1, 4.0]), Decode([1, 2, 3], margins=[5.0, 6.0, 4.0]),
+           Decode([7, 7], margins=[1.0, 1.0])]
+    out = [Decode([1, 9, 3], margins=[5.0, 0.2, 4.0]), Decode([1, 2, 8], margins=[5.0, 6.0, 3.0]),
+           Decode([7, 7], margins=[1.0, 1.0])]
+    c = classify_differences(ref, out, tie_margin=0.5)
+    assert (c["differing"], c["near_tie"], c["suspect"]) == (2, 1, 1)
+    assert c["cases"][0] == {"prompt": 0, "first_diff": 1, "margin_target": 0.1, "margin_spec": 0.2, "kind": "near_tie"}
+    assert c["cases"][1]["first_diff"] == 2 and c["cases"][1]["kind"] == "suspect"
+
+
+def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
+    from train.eval import prompt_messages
+
+    u1, a1, u2 = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
+                  {"role": "user", "content": "how are you"})
+    assert prompt_messages([u1, a1, u2], 0, "x") == [u1, a1, u2]  # history up to the turn to answer
+    assert prompt_messages([u1, a1, u2, a1], 0, "x") == [u1]  # a finished conversation: its first turn
+    with pytest.raises(Exception, match="row 3"):
+        prompt_messages([a1], 3, "x")
+
+
+def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
+    """StaticDraft (fixed shapes: the whole context cache under a mask; a CUDA graph on a GPU) drafts what
+    draft_block drafts, and a proposer using it reuses one cache across prompts without leaking context."""
+    from train.eval import StaticDraft
+
+    torch.manual_seed(0)
+    cfg = DrafterConfig.from_target(model.config, num_layers=2, layer_ids=[1, 3], block_size=5,
+                                    mask_token_id=model.config.vocab_size - 1)
+    d = DFlashDrafter(cfg).float()
+    d.reset_parameters(std=0.2, seed=3)
+    d.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    t = Target(model, cfg.target_layer_ids)
+    t.reset()
+    _, hidden = t.forward(torch.tensor([PROMPTS[1]]), 0, hidden=True)
+    with torch.inference_mode():
+        cache = d.new_cache(1, 64)
+        d.extend_context(cache, hidden, torch.arange(len(PROMPTS[1]))[None])
+        static = StaticDraft(d, cache, capture=True)  # no capture on a CPU: the same forward, eagerly
+        for last, pos in ((7, 9), (123, 9), (5, 12)):
+            block = torch.tensor([[last] + [cfg.mask_token_id] * 4])
+            want = d.draft_block(cache, block, torch.arange(pos, pos + 5)[None]).argmax(-1)[0]
+            assert static(last, pos).tolist() == want.tolist()
+    eos = {int(model.config.eos_token_id)} if model.config.eos_token_id is not None else set()
+    eager, fixed = DFlashProposer(d, 200), DFlashProposer(d, 200, graph=True)
+    drafts = {"eager": [], "fixed": []}
+    for name, prop in (("eager", eager), ("fixed", fixed)):
+        inner = prop.propose
+        prop.propose = lambda seq, last, pos, inner=inner, log=drafts[name]: log.append(
+            inner(seq, last, pos).tolist()) or torch.tensor(log[-1])
+    for prompt in PROMPTS:  # the fixed proposer's cache is reused prompt after prompt
+        a = speculative(t, eager, prompt, 30, eos)
+        b = speculative(t, fixed, prompt, 30, eos)
+        assert b.tokens == a.tokens == greedy(t, prompt, 30, eos).tokens
+        assert b.accept_lengths == a.accept_lengths
+    assert drafts["fixed"] == drafts["eager"] and len(drafts["eager"]) > 20
+    assert fixed.graph_status == "static" and eager.graph_status == "off"

@@ -24,6 +24,7 @@ target forward that produced the context.
 
 Shapes (R rows, T tokens, K layers, H hidden, N anchors, B block, V vocab):
     hidden [R, T, K*H] bf16    input_ids/loss_mask/doc_ids [R, T]    anchor_scores [R, T] in [0, 1)
+    (or, from an fp8/fp4 cache, hidden as stored + hidden_scales: dequantised in fuse_context, in the step)
     -> block tokens [R, N*B], logits [R, N, B-1, V], loss scalar, metrics (all tensors, no host sync)
 
 Checkpoints use the layout DFlash drafters are served from (HF `save_pretrained`: a Qwen3 config
@@ -43,11 +44,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.errors import DflashError
 from train.attention import split_block_attention, split_mask
 
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
+
+
+class DrafterError(DflashError, ValueError):
+    """A drafter config, checkpoint or target head that cannot be used (one `error:` line in the CLI)."""
 
 
 def default_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
@@ -58,7 +64,7 @@ def default_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
         return [num_target_layers // 2]
     start, end = 1, num_target_layers - 3
     if end < start:
-        raise ValueError(f"a target with {num_target_layers} layers is too shallow for the default layer rule; pass layer ids")
+        raise DrafterError(f"a target with {num_target_layers} layers is too shallow for the default layer rule; pass layer ids")
     k = min(k, end - start + 1)
     if k == 1:
         return [start]
@@ -105,7 +111,7 @@ class DrafterConfig:
         ]
         for ok, name, msg in checks:
             if not ok:
-                raise ValueError(f"drafter config: {name} {msg} (got {getattr(self, name)!r})")
+                raise DrafterError(f"drafter config: {name} {msg} (got {getattr(self, name)!r})")
 
     @property
     def num_context_layers(self) -> int:
@@ -152,7 +158,7 @@ class DrafterConfig:
                              max_position_embeddings=40960),
         }
         if name not in sizes:
-            raise ValueError(f"unknown drafter size {name!r} (known: {sorted(sizes)})")
+            raise DrafterError(f"unknown drafter size {name!r} (known: {sorted(sizes)})")
         return cls(**{**sizes[name], **overrides})
 
     def to_dict(self) -> dict[str, Any]:
@@ -212,7 +218,7 @@ def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
         mid = (wavelen <= old / lo) & (wavelen >= old / hi)
         inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
     else:
-        raise ValueError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
+        raise DrafterError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
     return inv.float()
 
 
@@ -480,13 +486,18 @@ class DFlashDrafter(nn.Module):
         V, H = self.cfg.vocab_size, self.cfg.hidden_size
         for name, w in (("embed", embed_weight), ("lm_head", lm_head_weight)):
             if tuple(w.shape) != (V, H):
-                raise ValueError(f"target {name} weight has shape {tuple(w.shape)}, the drafter expects {(V, H)}")
+                raise DrafterError(f"target {name} weight has shape {tuple(w.shape)}, the drafter expects {(V, H)}")
         dtype = self.fc.weight.dtype
         self.embed_weight = embed_weight.detach().to(self.fc.weight.device, dtype).clone()
         self.lm_head_weight = lm_head_weight.detach().to(self.fc.weight.device, dtype).clone()
 
-    def fuse_context(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[*, K*H] target hidden states -> [*, H] context features."""
+    def fuse_context(self, hidden: torch.Tensor, hidden_scales: torch.Tensor | None = None) -> torch.Tensor:
+        """[*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
+        cache's stored form (fp8 bytes or packed fp4, dflash_cache.quant), dequantised here on the device."""
+        if hidden_scales is not None:
+            from dflash_cache.quant import dequantize
+
+            hidden = dequantize(hidden, hidden_scales, self.fc.weight.dtype)
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -497,9 +508,9 @@ class DFlashDrafter(nn.Module):
 
     # -- training: many blocks per packed row ----------------------------------------------------
     def forward_train(self, hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int,
-                      gamma: float = 7.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      gamma: float = 7.0, hidden_scales=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         blocks, masks = self.prepare(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors)
-        return self.forward_blocks(hidden, blocks, masks, gamma)
+        return self.forward_blocks(hidden, blocks, masks, gamma, hidden_scales)
 
     def prepare(self, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int):
         """A batch's blocks (anchors, block tokens, labels, positions) and attention masks, one per window."""
@@ -514,10 +525,10 @@ class DFlashDrafter(nn.Module):
                 masks[w] = make(blocks, doc_ids, w)
         return blocks, masks
 
-    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0):
+    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0, hidden_scales=None):
         """Loss and metrics of the drafter over prepared blocks (see prepare) and the context's hidden states."""
         R, N, B = blocks.tokens.shape
-        ctx = self.fuse_context(hidden)  # [R, T, H]
+        ctx = self.fuse_context(hidden, hidden_scales)  # [R, T, H]
         x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
         dtype = x.dtype
         ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype)
@@ -591,7 +602,7 @@ class ContextCache:
     def append(self, ks, vs, positions):
         L = ks[0].shape[2]
         if self.length + L > self.max_len:
-            raise ValueError(f"drafter context cache is full ({self.max_len} positions)")
+            raise DrafterError(f"drafter context cache is full ({self.max_len} positions)")
         s = slice(self.length, self.length + L)
         for i in range(len(ks)):
             self.k[i][:, :, s] = ks[i]
@@ -778,13 +789,13 @@ def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None =
 
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
+        raise DrafterError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
     with open(cfg_path) as f:
         cfg = config_from_servable(json.load(f))
     sd = load_file(os.path.join(path, WEIGHTS_NAME))
     model = DFlashDrafter(cfg, attn_impl=attn_impl)
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise DrafterError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
     dtype = dtype or next(iter(sd.values())).dtype
     return model.to(device=device, dtype=dtype)

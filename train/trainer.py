@@ -13,8 +13,9 @@ The step (nothing in it syncs with the host or changes shape):
     all-reduce the flat buffer (ranks > 1); clip; fused AdamW with a tensor learning rate
 The host reads the accumulators only every --log-every steps (one sync), which is also where a
 non-finite loss is caught; checkpoints are written only after such a check, so the last one is
-always good. Anchor randomness is a function of (seed, step, rank): a resumed run draws exactly
-what an uninterrupted one would have.
+always good. Anchor randomness is a function of (seed, step, a row's slot in the step's global batch): a
+resumed run draws exactly what an uninterrupted one would have, and ranks x accumulation x batch rows
+that make the same global batch draw the same anchors (see Trainer.anchor_scores).
 """
 
 from __future__ import annotations
@@ -120,6 +121,8 @@ class TrainConfig:
         check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
         check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        check(self.loader_threads >= 1, "loader_threads", f"must be >= 1 (threads that decode the cache), got {self.loader_threads}")
+        check(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
 
 
@@ -218,23 +221,75 @@ def step_flops(c: DrafterConfig, rows: int, seq_len: int, anchors: int) -> float
 # --------------------------------------------------------------------------------------------
 
 
+# What a run directory holds: RUN/run.json ({"dflash": "train", ...}) marks it as dflash's; --overwrite removes
+# exactly these entries of such a directory (and never a directory without the marker).
+RUN_MARKER = "run.json"
+RUN_ENTRIES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints", "final", "final.tmp", "wandb")
+
+
+def _run_marker(out: str) -> dict | None:
+    """RUN/run.json when it is a dflash train record, else None."""
+    try:
+        with open(os.path.join(out, RUN_MARKER)) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) and doc.get("dflash") == "train" else None
+
+
+def _describe_dir(out: str, entries: list[str]) -> str:
+    if "zarr.json" in entries:
+        return "a zarr store (a dflash cache?)"
+    head = ", ".join(sorted(entries)[:4]) + (f" and {len(entries) - 4} more" if len(entries) > 4 else "")
+    return f"{len(entries)} {'entry' if len(entries) == 1 else 'entries'} not written by dflash train: {head}"
+
+
+def check_out_path(cfg: TrainConfig) -> None:
+    """Before anything is written: --out may be a new or empty directory or a dflash train run directory, never
+    a file, a user's folder, a cache, nor anything holding or inside the cache this run reads."""
+    from dflash.paths import check_output_dir, inside, is_url
+    from dflash_cache.lock import LOCK_NAME
+
+    check_output_dir(cfg.out, "out")
+    if not is_url(cfg.cache) and (inside(cfg.cache, cfg.out) or inside(cfg.out, cfg.cache)):
+        how = "is" if os.path.realpath(cfg.cache) == os.path.realpath(cfg.out) else (
+            "contains" if inside(cfg.cache, cfg.out) else "lies inside")
+        raise TrainError(f"--out {cfg.out} {how} the cache this run reads (--cache {cfg.cache}); "
+                         "a run directory must be apart from its cache: choose another --out")
+    if not os.path.isdir(cfg.out):
+        return
+    entries = [n for n in os.listdir(cfg.out) if not n.startswith(LOCK_NAME)]
+    if entries and _run_marker(cfg.out) is None:
+        raise TrainError(f"--out {cfg.out} is not a dflash run directory (it holds {_describe_dir(cfg.out, entries)}); "
+                         "choose another --out (--overwrite only replaces a dflash train run directory, one with run.json)")
+
+
+def _remove_run(out: str) -> None:
+    """Remove what dflash train wrote in RUN (RUN_ENTRIES), nothing else (not the lock, not a user's file)."""
+    for name in RUN_ENTRIES:
+        p = os.path.join(out, name)
+        if os.path.isdir(p) and not os.path.islink(p):
+            shutil.rmtree(p)
+        elif os.path.lexists(p):
+            os.unlink(p)
+
+
 def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> None:
-    """RUN/run.json must describe the same run (else error, or wipe with --overwrite)."""
-    path = os.path.join(cfg.out, "run.json")
-    if os.path.exists(path):
-        with open(path) as f:
-            old = json.load(f).get("config", {})
+    """RUN/run.json must describe the same run (else error, or start over with --overwrite)."""
+    check_out_path(cfg)
+    path = os.path.join(cfg.out, RUN_MARKER)
+    old_doc = _run_marker(cfg.out)
+    if old_doc is not None:
+        old = old_doc.get("config", {})
         for k in IDENTITY:
             if json.dumps(old.get(k)) != json.dumps(resolved.get(k)):
                 if cfg.overwrite:
-                    shutil.rmtree(cfg.out)
+                    _remove_run(cfg.out)
                     break
                 raise TrainError(f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
                                  f"{resolved.get(k)!r}; use another --out, or --overwrite to start over")
-    elif os.path.isdir(cfg.out) and os.listdir(cfg.out) and not cfg.overwrite:
-        raise TrainError(f"{cfg.out} exists and is not a dflash run directory; use another --out or --overwrite")
     elif cfg.overwrite and os.path.isdir(cfg.out):
-        shutil.rmtree(cfg.out)
+        _remove_run(cfg.out)
     os.makedirs(os.path.join(cfg.out, "checkpoints"), exist_ok=True)
     atomic_json(path, {"config": resolved, "dflash": "train"})
 
@@ -260,21 +315,75 @@ def drop_metrics_after(out: str, step: int) -> None:
         os.replace(metrics + ".tmp", metrics)
 
 
+class DiskWriteError(TrainError):
+    """A checkpoint file that could not be written (disk full, quota, file too large, I/O error)."""
+
+
+def _os_error(e: BaseException) -> OSError | None:
+    """The OSError behind a failed write: itself, its cause/context (torch.save wraps it in a RuntimeError), or the
+    `os error N` that safetensors puts in its message."""
+    import re
+
+    seen = 0
+    while e is not None and seen < 5:
+        if isinstance(e, OSError):
+            return e
+        m = re.search(r"os error (\d+)", str(e))
+        if m:
+            n = int(m.group(1))
+            return OSError(n, os.strerror(n))
+        e, seen = e.__cause__ or e.__context__, seen + 1
+    return None
+
+
+class writing:
+    """`with writing(file, last_good, cleanup):` turns an I/O failure while writing `file` into one DiskWriteError
+    naming it and the last good checkpoint (which is left intact); `cleanup` (a partial directory) is removed."""
+
+    def __init__(self, file: str, last_good: str | None, cleanup: str | None = None):
+        self.file, self.last_good, self.cleanup = file, last_good, cleanup
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, typ, e, tb):
+        if e is None:
+            return False
+        err = _os_error(e)
+        if err is None:
+            return False  # not an I/O failure: the traceback is shown
+        if self.cleanup:
+            shutil.rmtree(self.cleanup, ignore_errors=True)
+        import errno
+
+        what = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large for the filesystem or limit",
+                errno.EDQUOT: "disk quota exceeded"}.get(err.errno, err.strerror or str(err))
+        raise DiskWriteError(f"cannot write {self.file}: {what} (errno {err.errno}); the last good checkpoint "
+                             f"{self.last_good or '(none yet)'} is intact: free space and rerun the same command to resume")
+
+
 def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.Optimizer, state: dict, keep: int) -> str:
-    """RUN/checkpoints/step_N (written under a temporary name, then renamed), then `latest` points to it."""
+    """RUN/checkpoints/step_N (written under a temporary name, then renamed), then `latest` points to it.
+    A failed write (disk full, ...) is a DiskWriteError naming the file; the previous checkpoint stays intact."""
     ck = os.path.join(out, "checkpoints")
     name = f"step_{step:08d}"
     tmp = os.path.join(ck, name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    save_drafter(model, tmp, dtype=next(model.parameters()).dtype)
-    torch.save(opt.state_dict(), os.path.join(tmp, "optimizer.pt"))
-    atomic_json(os.path.join(tmp, "trainer.json"), state)
+    last_good = latest_checkpoint(out)
+    with writing(os.path.join(tmp, "model.safetensors"), last_good, cleanup=tmp):
+        save_drafter(model, tmp, dtype=next(model.parameters()).dtype)
+    with writing(os.path.join(tmp, "optimizer.pt"), last_good, cleanup=tmp):
+        with open(os.path.join(tmp, "optimizer.pt"), "wb") as f:  # a file object: the OSError stays visible
+            torch.save(opt.state_dict(), f)
+    with writing(os.path.join(tmp, "trainer.json"), last_good, cleanup=tmp):
+        atomic_json(os.path.join(tmp, "trainer.json"), state)
     final = os.path.join(ck, name)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    with open(os.path.join(ck, "latest.tmp"), "w") as f:
-        f.write(name)
-    os.replace(os.path.join(ck, "latest.tmp"), os.path.join(ck, "latest"))
+    with writing(os.path.join(ck, "latest"), last_good):
+        with open(os.path.join(ck, "latest.tmp"), "w") as f:
+            f.write(name)
+        os.replace(os.path.join(ck, "latest.tmp"), os.path.join(ck, "latest"))
     olds = sorted(d for d in os.listdir(ck) if d.startswith("step_") and not d.endswith(".tmp"))
     for d in olds[:-keep]:
         shutil.rmtree(os.path.join(ck, d), ignore_errors=True)
@@ -319,6 +428,9 @@ class Trainer:
         self.cuda = dev.type == "cuda"
         self.param_dtype = resolve_dtype(cfg.param_dtype, dev)
         self.attn = cfg.attn if cfg.attn != "auto" else ("flex" if self.cuda else "split")
+        if self.attn == "flex" and not self.cuda:
+            raise ConfigError(f"--attn flex needs a CUDA device (flex_attention has no backward on {dev.type}); "
+                              "use --attn split (the default there) or sdpa")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.cuda)
 
         from extract.target import load_config, load_tokenizer, target_info, text_config
@@ -332,6 +444,13 @@ class Trainer:
         except dflash_cache.CacheMismatchError as e:
             raise TrainError(f"the cache does not belong to --target {cfg.target}: {e}") from e
         cache = self.cache
+        if self.dist.is_main:  # the embedding and LM head this run takes from --target: the cache's own?
+            from dflash.weights import check_roles
+
+            note = check_roles(cache.metadata.get("info", {}).get("weights"), cfg.target, cfg.cache,
+                               tied=bool(getattr(tc, "tie_word_embeddings", False)))
+            if note:
+                print0(f"train: {note}")
         tok = load_tokenizer(cfg.target)
         mask_id = resolve_mask_token_id(tok, tc.vocab_size, cfg.mask_token_id)
         self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.layer_ids,
@@ -396,7 +515,8 @@ class Trainer:
         step into wrong gradients (fixed by model.make_blocks_opaque; BENCHMARKS.md, "Compiled step"), and a
         run must not learn from such a step silently."""
         cfg, model = self.cfg, self.model
-        args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma)
+        args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma,
+                x.get("hidden_scales"))
 
         def loss_and_grads(fn):
             loss, _ = fn(*args)
@@ -492,14 +612,25 @@ class Trainer:
         m = start_micro
         for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
                                     start_step=within, epochs=None, prefetch=cfg.prefetch,
-                                    threads=cfg.loader_threads, pin_memory=self.cuda, check=True):  # CRC every chunk
+                                    threads=cfg.loader_threads, pin_memory=self.cuda, check=True,  # CRC every chunk
+                                    quantized=True):  # fp8/fp4 caches: bytes + scales, dequantised in the step
             yield m, b
             m += 1
 
     def anchor_scores(self, micro: int, rows: int, T: int) -> torch.Tensor:
-        # a function of (seed, micro-step, rank): resumes draw exactly what an uninterrupted run draws
-        self.gen.manual_seed((self.cfg.seed * 1_000_003 + micro) * 65_537 + self.dist.rank)
-        return torch.rand(rows, T, generator=self.gen, device=self.dev)
+        """This rank's anchor scores [rows, T] for micro-step `micro`: its slice of one draw per optimizer step,
+        [grad_accum * world * rows, T] seeded by (seed, step), taken at global slot (a * world + rank) * rows
+        for micro-batch a of the step. The reader gives rank r of micro-batch a the rows of that same slot
+        (Cache.epoch_order), so a row's anchors depend on (seed, step, its slot in the step's global batch)
+        only: two ranks with batch b, or accumulation 2 x batch b, draw the anchors of one process with batch
+        2b (tests/test_ddp.py, tests/test_accum.py); a resumed run draws what an uninterrupted one draws. One
+        process without accumulation draws what it always did (seed (seed * 1_000_003 + step) * 65_537)."""
+        step, a = divmod(micro, self.cfg.grad_accum)
+        world = self.dist.world
+        self.gen.manual_seed((self.cfg.seed * 1_000_003 + step) * 65_537)
+        scores = torch.rand(self.cfg.grad_accum * world * rows, T, generator=self.gen, device=self.dev)
+        first = (a * world + self.dist.rank) * rows
+        return scores[first:first + rows]
 
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -533,7 +664,8 @@ class Trainer:
                     wait = time.perf_counter() - t0
                     wait_window += wait
                     wait_total += wait
-                    x = {k: batch[k].to(dev, non_blocking=True) for k in ("hidden", "input_ids", "loss_mask", "doc_ids")}
+                    x = {k: batch[k].to(dev, non_blocking=True)
+                         for k in ("hidden", "hidden_scales", "input_ids", "loss_mask", "doc_ids") if k in batch}
                     if self.cuda:
                         ev = torch.cuda.current_stream(dev).record_event()
                         if prev is not None:
@@ -546,7 +678,7 @@ class Trainer:
                     if self.compiled and self.cuda:
                         torch.compiler.cudagraph_mark_step_begin()
                     loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
-                                         cfg.num_anchors, cfg.gamma)
+                                         cfg.num_anchors, cfg.gamma, x.get("hidden_scales"))
                     loss.backward()
                     grads = [p.grad for p in self.params]
                     if a == 0:
@@ -657,7 +789,8 @@ class Trainer:
         final = os.path.join(self.cfg.out, "final")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        save_drafter(self.model, tmp, dtype=torch.bfloat16)
+        with writing(os.path.join(tmp, "model.safetensors"), latest_checkpoint(self.cfg.out), cleanup=tmp):
+            save_drafter(self.model, tmp, dtype=torch.bfloat16)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         return final
@@ -685,6 +818,14 @@ def _compile_count() -> int:
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
+    """The command; rank 0 of the job holds the lock of --out throughout (one writer per run directory)."""
+    from dflash.paths import output_lock
+
+    with output_lock(cfg.out, "train", int(os.environ.get("RANK", 0)) == 0, precheck=lambda _: check_out_path(cfg)):
+        return _run_train(cfg)
+
+
+def _run_train(cfg: TrainConfig) -> dict[str, Any]:
     tr = Trainer(cfg)
     print0(f"train: drafter {tr.dcfg.num_layers} layers x {tr.dcfg.hidden_size} ({tr.nparams / 1e6:.1f}M trainable), "
            f"block {tr.dcfg.block_size}, {cfg.num_anchors} anchors/row, mask token {tr.dcfg.mask_token_id}; "

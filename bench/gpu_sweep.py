@@ -1,0 +1,218 @@
+"""The GPU recipe's sweep and its tau curve, from ONE regenerated dataset and ONE cache (made once, shared).
+
+    # block x drafter layers x steps: train + eval (bf16, target alone / DFlash / n-gram) each, pick by speed-up
+    python bench/gpu_sweep.py --workdir /root/work/demo-gpu --blocks 4,8,16 --layers 1,2,3 --steps 1200 \
+        --json /root/work/sweep.json
+    # tau against training tokens for the recipe's own run (its checkpoints, every save_every steps)
+    python bench/gpu_sweep.py --workdir /root/work/demo-gpu --curve --json /root/work/curve.json
+
+The workdir is the GPU recipe's (`dflash demo --recipe gpu --workdir W`): target, data, regenerated
+responses and the cache are reused, or made (and resumed) if missing. Each sweep point trains into
+W/sweep/b{B}-l{L}-s{S}/ and is recorded in W/sweep/results.json as soon as it is evaluated: a rerun skips
+finished points, so the sweep can span several device calls. --target DIR uses another HF model folder of
+the same tokenizer (e.g. bench/random_smollm2.py's random model) instead of the bundled SmolLM2. Runs on
+CPU at a tiny size (--config a smaller preset, --device cpu), for smoke tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def _load(path: str) -> dict:
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    return {}
+
+
+def _save(path: str, obj) -> None:
+    from dflash.dist import atomic_json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    atomic_json(path, obj)
+
+
+def point(ev: dict, train: dict, block: int, layers: int, steps: int, seconds: dict) -> dict:
+    d, n = ev["dflash"], ev.get("ngram", {})
+    return {"block": block, "layers": layers, "steps": steps, "tau": d["tau"], "tau_ngram": n.get("tau"),
+            "target_tok_s": ev["target_tokens_per_s"], "dflash_tok_s": d["tokens_per_s"],
+            "ngram_tok_s": n.get("tokens_per_s"), "speedup": d["speedup"], "speedup_ngram": n.get("speedup"),
+            "draft_ms": d["ms_per_step"]["draft"], "verify_ms": d["ms_per_step"]["verify"],
+            "target_ms": ev["target"]["ms_per_step"]["total"],
+            "identical": d["outputs_identical"], "prompts": ev["prompts"], "dtype": ev["dtype"],
+            "near_tie": d["differences"]["near_tie"], "suspect": d["differences"]["suspect"],
+            "final_loss": (train.get("history") or [{}])[-1].get("loss"), "draft_graph": ev.get("draft_graph"),
+            "seconds": seconds}
+
+
+def table(rows: list[dict]) -> str:
+    head = ["block", "layers", "steps", "tau", "n-gram tau", "target tok/s", "dflash tok/s", "n-gram tok/s",
+            "speed-up", "draft+verify ms", "identical", "train s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for r in sorted(rows, key=lambda r: -r["speedup"]):
+        lines.append("| " + " | ".join([
+            str(r["block"]), str(r["layers"]), str(r["steps"]), f"{r['tau']:.2f}",
+            f"{r['tau_ngram']:.2f}" if r["tau_ngram"] is not None else "-", f"{r['target_tok_s']:.0f}",
+            f"{r['dflash_tok_s']:.0f}", f"{r['ngram_tok_s']:.0f}" if r["ngram_tok_s"] else "-", f"{r['speedup']:.2f}x",
+            f"{r['draft_ms']:.1f}+{r['verify_ms']:.1f}", f"{r['identical']}/{r['prompts']}",
+            f"{r['seconds'].get('train', 0):.0f}"]) + " |")
+    return "\n".join(lines)
+
+
+def sweep(a, prep) -> dict:
+    from dflash.demo_gpu import train_and_eval
+
+    res_path = os.path.join(a.workdir, "sweep", "results.json")
+    results = _load(res_path)
+    for block in _ints(a.blocks):
+        for layers in _ints(a.layers):
+            for steps in _ints(a.steps):
+                key = f"b{block}-l{layers}-s{steps}" + ("-graph" if a.draft_graph else "")
+                if key in results:
+                    print(f"sweep: {key} done already: tau {results[key]['tau']:.2f}, "
+                          f"speed-up {results[key]['speedup']:.2f}x", flush=True)
+                    continue
+                # n-gram lookup depends on the block size only: measured once per block
+                ngram = not any(r["block"] == block and r["tau_ngram"] is not None for r in results.values())
+                seconds: dict = {}
+                t = time.perf_counter()
+                out = train_and_eval(prep, os.path.join(a.workdir, "sweep", f"b{block}-l{layers}-s{steps}"), a.config,
+                                     a.device, a.progress,
+                                     # the preset's save_every: a point killed mid-training resumes from a checkpoint
+                                     train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps},
+                                     eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
+                                     ngram=ngram, eval_overrides={"draft_graph": a.draft_graph},
+                                     eval_tag="graph" if a.draft_graph else "")
+                seconds["total"] = time.perf_counter() - t
+                results[key] = point(out["eval"][a.dtype], out["train"], block, layers, steps, seconds)
+                _save(res_path, results)
+                r = results[key]
+                print(f"sweep: {key}: tau {r['tau']:.2f}, speed-up {r['speedup']:.2f}x, "
+                      f"{r['identical']}/{r['prompts']} identical, {seconds['total']:.0f} s", flush=True)
+    tag = "-graph" if a.draft_graph else ""
+    wanted = {f"b{b}-l{n}-s{s}{tag}" for b in _ints(a.blocks) for n in _ints(a.layers) for s in _ints(a.steps)}
+    rows = [results[k] for k in sorted(wanted & set(results))]
+    for r in rows:  # the block's n-gram figures where this point did not measure them
+        if r["tau_ngram"] is None:
+            same = [q for q in results.values() if q["block"] == r["block"] and q["tau_ngram"] is not None]
+            if same:
+                r["tau_ngram"], r["ngram_tok_s"] = same[0]["tau_ngram"], same[0]["ngram_tok_s"]
+    md = table(rows)
+    best = max(rows, key=lambda r: r["speedup"]) if rows else None
+    print(md)
+    if best:
+        print(f"best by wall-clock speed-up: block {best['block']}, {best['layers']} layers, {best['steps']} steps: "
+              f"{best['speedup']:.2f}x, tau {best['tau']:.2f}")
+    with open(os.path.join(a.workdir, "sweep", "sweep.md"), "w") as f:
+        f.write(md + "\n")
+    return {"points": rows, "best": best, "table": md}
+
+
+def curve(a, prep) -> dict:
+    from dflash.config import build
+    from dflash.demo_gpu import load_recipe
+    from train.eval import EvalConfig, run_eval
+    from train.trainer import TrainConfig
+
+    import dflash_cache
+
+    run = os.path.join(a.workdir, "run")
+    ck = os.path.join(run, "checkpoints")
+    if not os.path.isdir(ck):
+        raise SystemExit(f"--curve: {ck} is missing: run the recipe first (dflash demo --recipe gpu --workdir {a.workdir})")
+    tcfg = build(TrainConfig, a.config, "train", {"cache": prep.cache, "target": prep.target, "out": run})
+    T = dflash_cache.open(prep.cache).seq_len
+    recipe = load_recipe(a.config)
+    path = os.path.join(a.workdir, "curve.json")
+    points = _load(path)
+    drafters = {int(d.split("_")[1]): os.path.join(ck, d) for d in os.listdir(ck)
+                if d.startswith("step_") and not d.endswith(".tmp")}
+    if os.path.isdir(os.path.join(run, "final")):
+        summ = _load(os.path.join(run, "summary.json"))
+        if summ.get("steps"):
+            drafters.setdefault(int(summ["steps"]), os.path.join(run, "final"))
+    for step in sorted(drafters):
+        if str(step) in points:
+            continue
+        ev = run_eval(build(EvalConfig, a.config, "eval", {
+            "target": prep.target, "drafter": drafters[step], "data": prep.heldout,
+            "max_prompts": a.eval_prompts or recipe.eval_prompts, "max_new_tokens": recipe.eval_max_new_tokens,
+            "dtype": a.dtype, "ngram": False, "device": a.device, "progress": a.progress}))
+        rows_seen = step * tcfg.batch_rows * tcfg.grad_accum
+        points[str(step)] = {"step": step, "ctx_tokens": rows_seen * T, "anchors": rows_seen * tcfg.num_anchors,
+                             "tau": ev["dflash"]["tau"], "speedup": ev["dflash"]["speedup"],
+                             "identical": ev["dflash"]["outputs_identical"], "prompts": ev["prompts"]}
+        _save(path, points)
+        print(json.dumps(points[str(step)]), flush=True)
+    rows = [points[k] for k in sorted(points, key=int)]
+    ngram = _load(os.path.join(run, f"eval-{a.dtype}.json")).get("ngram", {}).get("tau")
+    md = ["| step | training context tokens | anchors (blocks) | tau dflash | speed-up | identical outputs |",
+          "|---:|---:|---:|---:|---:|---:|"]
+    md += [f"| {r['step']} | {r['ctx_tokens']:,} | {r['anchors']:,} | {r['tau']:.2f} | {r['speedup']:.2f}x | "
+           f"{r['identical']}/{r['prompts']} |" for r in rows]
+    if ngram:
+        md.append(f"\nn-gram prompt lookup on the same prompts: tau {ngram:.2f}")
+    text = "\n".join(md)
+    print(text)
+    with open(os.path.join(a.workdir, "curve.md"), "w") as f:
+        f.write(text + "\n")
+    if rows:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6.5, 3.6), dpi=110)
+        ax.plot([r["ctx_tokens"] / 1e6 for r in rows], [r["tau"] for r in rows], "o-", label="DFlash drafter")
+        if ngram:
+            ax.axhline(ngram, color="gray", ls="--", label="n-gram prompt lookup")
+        ax.set_xlabel("training context tokens (millions)")
+        ax.set_ylabel("tau (accepted + 1 per step)")
+        ax.set_title(f"GPU recipe: block {tcfg.block_size}, {tcfg.drafter_layers} layers, held-out chitchat")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(a.workdir, "curve.png"))
+        plt.close(fig)
+    return {"points": rows, "tau_ngram": ngram, "table": text, "plot": os.path.join(a.workdir, "curve.png")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="work/demo-gpu", help="The GPU recipe's workdir (reused).")
+    ap.add_argument("--config", default="demo-gpu", help="The recipe's preset (path or name in configs/).")
+    ap.add_argument("--target", help="An HF model folder instead of the bundled SmolLM2 (e.g. a random one).")
+    ap.add_argument("--blocks", default="4,8,16")
+    ap.add_argument("--layers", default="1,2,3")
+    ap.add_argument("--steps", default="1200", help="Comma-separated: one training run per value.")
+    ap.add_argument("--eval-prompts", type=int, default=24, help="Held-out prompts per eval (the recipe's first N).")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--curve", action="store_true", help="The tau curve of the recipe's run instead of the sweep.")
+    ap.add_argument("--draft-graph", action="store_true",
+                    help="Evaluate with the drafter's block forward as one CUDA graph (points keyed '-graph'; the "
+                         "trained drafters of the same block/layers/steps are reused).")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--json", help="Write the results here.")
+    a = ap.parse_args()
+
+    from dflash.demo_gpu import prepare
+
+    prep = prepare(a.workdir, a.config, a.device, a.progress, a.target)
+    out = curve(a, prep) if a.curve else sweep(a, prep)
+    if a.json:
+        _save(a.json, out)
+
+
+if __name__ == "__main__":
+    main()

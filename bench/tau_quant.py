@@ -1,0 +1,124 @@
+"""tau from fp8 / fp4 caches against bf16: does the drafter notice the cache's precision?
+
+The demo's recipe (SmolLM2-135M-Instruct + chitchat, regenerated replies by default), extracted once per
+hidden dtype (bf16, fp8, fp4) from the same data; drafters trained with the same recipe: from the bf16 cache
+with several seeds (their spread is the noise), from each quantised cache with the first of those seeds (the
+same batches and anchors as that bf16 run). Every final drafter is measured by real speculative decoding on
+the same held-out prompts (train.eval: tau, n-gram tau, outputs identical to the target's greedy output).
+
+    python bench/tau_quant.py --workdir work/tau-quant                           # the demo's sizes
+    python bench/tau_quant.py --workdir work/tau-quant --data work/demo/regenerated   # reuse regenerated data
+    python bench/tau_quant.py --workdir /tmp/tq --responses original --train-prompts 16 --eval-prompts 2 \\
+        --steps 3 --eval-max-new-tokens 8 --seq-len 256 --seeds 0,1 --device cpu       # CPU smoke test, ~3 min
+
+Every stage resumes when rerun (extract and train do; evaluated runs are kept in WORKDIR/tau-quant.json).
+Prints one line per run and a table: tau per run, the bf16 seeds' mean and spread (min..max), and for each
+quantised cache its tau minus the bf16 run of the same seed and whether it lies within the bf16 spread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="work/tau-quant")
+    ap.add_argument("--responses", choices=["regenerate", "original"], default="regenerate")
+    ap.add_argument("--data", help="an existing training dataset (e.g. a regenerated directory): skips regenerating")
+    ap.add_argument("--hidden-dtypes", default="bf16,fp8,fp4")
+    ap.add_argument("--seeds", default="0,1,2", help="bf16 seeds; the quantised caches train with the first")
+    ap.add_argument("--train-prompts", type=int, default=240)
+    ap.add_argument("--eval-prompts", type=int, default=16)
+    ap.add_argument("--regen-max-new-tokens", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--drafter-layers", type=int, default=1)
+    ap.add_argument("--block-size", type=int, default=4)
+    ap.add_argument("--num-anchors", type=int, default=64)
+    ap.add_argument("--batch-rows", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=160)
+    ap.add_argument("--lr", type=float, default=1.5e-3)
+    ap.add_argument("--eval-max-new-tokens", type=int, default=48)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--json", help="also write the results here (default: WORKDIR/tau-quant.json only)")
+    a = ap.parse_args(argv)
+
+    from dflash.demo import DemoConfig, _regenerate, prepare_data, smollm2_gguf
+    from extract.run import ExtractConfig, run_extract
+    from extract.target import convert_gguf
+    from train.eval import EvalConfig, run_eval
+    from train.trainer import TrainConfig, run_train
+
+    os.makedirs(a.workdir, exist_ok=True)
+    demo = DemoConfig(workdir=a.workdir, responses=a.responses, train_prompts=a.train_prompts,
+                      eval_prompts=a.eval_prompts, regen_max_new_tokens=a.regen_max_new_tokens, device=a.device,
+                      progress=False)
+    target = convert_gguf(smollm2_gguf(), os.path.join(a.workdir, "target"))
+    train_jsonl, held = prepare_data(demo)
+    data = a.data or (_regenerate(demo, target, train_jsonl) if a.responses == "regenerate" else train_jsonl)
+    dtypes = a.hidden_dtypes.split(",")
+    seeds = [int(s) for s in a.seeds.split(",")]
+    path = os.path.join(a.workdir, "tau-quant.json")
+    done = json.load(open(path)) if os.path.exists(path) else {}
+    caches = {}
+    for hdt in dtypes:
+        caches[hdt] = os.path.join(a.workdir, f"cache-{hdt}")
+        t = time.perf_counter()
+        run_extract(ExtractConfig(target=target, data=data, out=caches[hdt], seq_len=a.seq_len, device=a.device,
+                                  hidden_dtype=hdt, progress=False))
+        print(f"tau-quant: cache {hdt} ready ({time.perf_counter() - t:.0f} s)", flush=True)
+    runs = [("bf16", s) for s in seeds if "bf16" in dtypes] + [(d, seeds[0]) for d in dtypes if d != "bf16"]
+    for hdt, seed in runs:
+        key = f"{hdt}-seed{seed}"
+        if key in done:
+            continue
+        out = os.path.join(a.workdir, f"run-{key}")
+        t = time.perf_counter()
+        tr = run_train(TrainConfig(cache=caches[hdt], target=target, out=out, drafter_layers=a.drafter_layers,
+                                   block_size=a.block_size, num_anchors=a.num_anchors, batch_rows=a.batch_rows,
+                                   max_steps=a.steps, lr=a.lr, warmup_ratio=0.05, log_every=20,
+                                   save_every=max(20, a.steps), seed=seed, device=a.device, progress=False))
+        train_s = time.perf_counter() - t
+        ev = run_eval(EvalConfig(target=target, drafter=os.path.join(out, "final"), data=held,
+                                 max_new_tokens=a.eval_max_new_tokens, device=a.device, progress=False))
+        hist = tr.get("history") or [{}]
+        done[key] = {"hidden_dtype": hdt, "seed": seed, "tau": ev["dflash"]["tau"], "tau_ngram": ev["ngram"]["tau"],
+                     "identical": ev["dflash"]["outputs_identical"], "prompts": ev["prompts"],
+                     "final_loss": hist[-1].get("loss"), "train_s": train_s,
+                     "data_wait_frac": tr.get("data_wait_frac"), "steps": tr.get("steps")}
+        with open(path, "w") as f:
+            json.dump(done, f, indent=2)
+        print("tau-quant:", json.dumps({"run": key, **done[key]}), flush=True)
+
+    bf = [done[f"bf16-seed{s}"]["tau"] for s in seeds if f"bf16-seed{s}" in done]
+    lo, hi = (min(bf), max(bf)) if bf else (None, None)
+    base = done.get(f"bf16-seed{seeds[0]}")
+    rows = []
+    for key in sorted(done, key=lambda k: (dtypes.index(done[k]["hidden_dtype"]) if done[k]["hidden_dtype"] in dtypes
+                                           else 99, done[k]["seed"])):
+        r = done[key]
+        row = {"run": key, "tau": r["tau"], "tau_ngram": r["tau_ngram"], "identical": f"{r['identical']}/{r['prompts']}",
+               "final_loss": r["final_loss"]}
+        if r["hidden_dtype"] != "bf16" and base is not None:
+            row["tau - bf16 same seed"] = r["tau"] - base["tau"]
+            row["within bf16 spread"] = lo <= r["tau"] <= hi if len(bf) > 1 else None
+        rows.append(row)
+    from bench.common import table
+
+    print(f"\nbf16 over seeds {seeds}: tau mean {sum(bf) / len(bf):.3f}, spread {lo:.3f}..{hi:.3f} ({hi - lo:.3f})"
+          if bf else "\nno bf16 runs")
+    print(table(rows, ["run", "tau", "tau - bf16 same seed", "within bf16 spread", "tau_ngram", "identical", "final_loss"]))
+    summary = {"args": vars(a), "bf16_tau": bf, "bf16_spread": [lo, hi], "runs": done}
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(summary, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

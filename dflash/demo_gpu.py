@@ -1,0 +1,370 @@
+"""The GPU recipe of `dflash demo`: SmolLM2-135M-Instruct + every user turn of chitchat, on one CUDA GPU.
+
+Sizes and hyper-parameters live in the preset configs/demo-gpu.yaml (one section per stage, read with
+dflash.config like every preset; flags of `dflash demo` override a few). Stages, each resumed when rerun
+into the same workdir:
+
+    prepare target (bundled GGUF -> bf16 folder)
+    -> data: chitchat conversations split by conversation (a hash of its id: heldout_percent held out);
+       each training conversation becomes ONE multi-turn `messages` sample (turns alternate user /
+       assistant, the first turn is the user's), cut to max_turns messages, ending on an assistant turn;
+       the eval prompts are held-out histories up to a user turn, at varied turn positions
+    -> regenerate every assistant turn with the target (large batch, turn by turn: each turn sees the
+       target's own earlier answers)
+    -> extract the hidden states -> train (compiled CUDA-graph step)
+    -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
+
+Workdir layout: target/, data/{train,heldout}.jsonl + data/split.json, regenerated/, cache/, run/,
+eval-bfloat16.json, eval-float32.json, summary.json (the JSON summary, with the bars checked).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from dflash.config import check
+
+PRESET = "demo-gpu"
+
+# The bars of issue 18 (DESIGN.md section 5), checked in the summary.
+BARS = {"tau": 2.5, "tau_over_ngram": 2.0, "speedup": 1.8}
+
+
+@dataclass
+class GpuRecipe:
+    """The `recipe` section of configs/demo-gpu.yaml."""
+
+    heldout_percent: float = 5.0  # of conversations, chosen by a hash of the conversation id
+    max_turns: int = 16  # messages kept per training conversation (user + assistant); 0 = all
+    max_conversations: int = 0  # training conversations kept (the first ones after the split); 0 = all
+    eval_prompts: int = 64
+    eval_max_new_tokens: int = 96
+    eval_dtypes: list = field(default_factory=lambda: ["bfloat16", "float32"])  # the first one gets n-gram lookup too
+    later_dtype_prompts: int = 16  # prompts of the dtypes after the first (the float32 lossless check); 0 = eval_prompts
+
+    def __post_init__(self):
+        check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
+        check(self.max_turns == 0 or self.max_turns >= 2, "max_turns", f"must be 0 (all) or >= 2, got {self.max_turns}")
+        check(self.max_conversations >= 0, "max_conversations", f"must be >= 0 (0 = all), got {self.max_conversations}")
+        check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
+        check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        check(self.later_dtype_prompts >= 0, "later_dtype_prompts", "must be >= 0 (0 = eval_prompts)")
+        check(bool(self.eval_dtypes) and all(d in ("bfloat16", "float32") for d in self.eval_dtypes), "eval_dtypes",
+              f"must be a non-empty list of bfloat16 / float32, got {self.eval_dtypes}")
+
+
+# --------------------------------------------------------------------------------------------
+# Data: conversations -> (train samples, held-out prompts), split by conversation
+# --------------------------------------------------------------------------------------------
+
+
+def dialogues(raw: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(conversation id, turn texts) of every chitchat conversation in the file's order. A turn is a list
+    of one sender's messages, joined by newlines; a conversation is cut before its first empty turn."""
+    out = []
+    for key, conv in raw.items():
+        turns = []
+        for turn in conv.get("messages") or []:
+            text = "\n".join(m["text"].strip() for m in turn if (m.get("text") or "").strip())
+            if not text:
+                break
+            turns.append(text)
+        out.append((key, turns))
+    return out
+
+
+def is_heldout(key: str, percent: float) -> bool:
+    """Deterministic, by conversation: the first 8 hex digits of sha1(id), as a fraction, below percent/100."""
+    return int(hashlib.sha1(key.encode()).hexdigest()[:8], 16) / 0x100000000 < percent / 100
+
+
+def as_messages(turns: list[str]) -> list[dict[str, str]]:
+    """Turns alternate user / assistant, the first being the user's."""
+    return [{"role": "user" if i % 2 == 0 else "assistant", "content": t} for i, t in enumerate(turns)]
+
+
+def training_sample(turns: list[str], max_turns: int) -> list[dict[str, str]] | None:
+    """One multi-turn sample: the first max_turns turns (0 = all), ending on an assistant turn; None if
+    the conversation has no assistant turn."""
+    kept = turns[:max_turns] if max_turns else list(turns)
+    if len(kept) % 2:
+        kept = kept[:-1]
+    return as_messages(kept) if kept else None
+
+
+def eval_prompts(held: list[tuple[str, list[str]]], n: int, max_turns: int) -> list[list[dict[str, str]]]:
+    """n prompts from held-out conversations: a history up to (and including) a user turn. Conversations
+    are taken in the order of their id's hash; round r takes from conversation i its ((i + r) mod u)-th
+    user turn (u = its user turns within max_turns), so turn positions vary; no prompt repeats."""
+    convs = sorted(held, key=lambda kv: hashlib.sha1(kv[0].encode()).hexdigest())
+    out: list[list[dict[str, str]]] = []
+    seen: set[tuple[str, int]] = set()
+    for rnd in range(max(1, max_turns or 64)):
+        progressed = False
+        for i, (key, turns) in enumerate(convs):
+            limit = min(len(turns), max_turns) if max_turns else len(turns)
+            users = [j for j in range(0, limit, 2) if j + 1 < len(turns)]  # a user turn that got an answer
+            if not users:
+                continue
+            j = users[(i + rnd) % len(users)]
+            if (key, j) in seen:
+                continue
+            seen.add((key, j))
+            progressed = True
+            out.append(as_messages(turns[: j + 1]))
+            if len(out) == n:
+                return out
+        if not progressed:
+            break
+    return out
+
+
+def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]], list[list[dict]], dict]:
+    """(training samples, eval prompts, counts) from the chitchat file's dict."""
+    convs = dialogues(raw)
+    train, held = [], []
+    for key, turns in convs:
+        (held if is_heldout(key, recipe.heldout_percent) else train).append((key, turns))
+    pairs = [(t, s) for t, s in ((t, training_sample(t, recipe.max_turns)) for _, t in train) if s]
+    without_answer = len(train) - len(pairs)
+    dropped = max(0, len(pairs) - recipe.max_conversations) if recipe.max_conversations else 0
+    pairs = pairs[: len(pairs) - dropped]
+    samples = [s for _, s in pairs]
+    prompts = eval_prompts(held, recipe.eval_prompts, recipe.max_turns)
+    kept_turns = sum(len(s) // 2 for s in samples)
+    counts = {
+        "conversations": len(convs), "train_conversations": len(train), "heldout_conversations": len(held),
+        "train_samples": len(samples), "train_without_assistant_turn": without_answer,
+        "train_dropped_by_max_conversations": dropped,
+        "assistant_turns": kept_turns,
+        "assistant_turns_cut_by_max_turns": sum(len(t) // 2 for t, _ in pairs) - kept_turns,
+        "eval_prompts": len(prompts),
+        "eval_prompt_user_turns": sorted({sum(m["role"] == "user" for m in p) for p in prompts}),
+    }
+    if len(prompts) < recipe.eval_prompts:
+        raise ValueError(f"eval_prompts: the held-out conversations give only {len(prompts)} prompts, "
+                         f"{recipe.eval_prompts} asked")
+    return samples, prompts, counts
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        for r in rows:
+            f.write(json.dumps(r, ensure_ascii=False) + "\n")
+    os.replace(tmp, path)
+
+
+def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict]:
+    """data/train.jsonl (multi-turn samples with the human replies, to be regenerated), data/heldout.jsonl
+    (prompts), data/split.json (counts). Deterministic: a rerun writes the same files."""
+    from dflash.demo import chitchat_json
+
+    d = os.path.join(workdir, "data")
+    os.makedirs(d, exist_ok=True)
+    with open(chitchat_json()) as f:
+        raw = json.load(f)
+    samples, prompts, counts = split_data(raw, recipe)
+    train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
+    write_jsonl(train, [{"messages": s} for s in samples])
+    write_jsonl(held, [{"messages": p} for p in prompts])
+    with open(os.path.join(d, "split.json"), "w") as f:
+        json.dump(dict(counts, recipe=asdict(recipe)), f, indent=2)
+    return train, held, counts
+
+
+# --------------------------------------------------------------------------------------------
+# The stages
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Prepared:
+    """What the training runs share: the target, the held-out prompts, the cache (bench/gpu_sweep.py reuses it)."""
+
+    target: str
+    heldout: str
+    cache: str
+    counts: dict
+    timings: dict
+    regen: dict | None = None
+    extract: dict | None = None
+
+
+def load_recipe(preset: str = PRESET) -> GpuRecipe:
+    from dflash.config import read_preset
+
+    fields = read_preset(preset, "recipe")
+    known = set(GpuRecipe.__dataclass_fields__)
+    bad = sorted(set(fields) - known)
+    if bad:
+        from dflash.config import ConfigError
+
+        raise ConfigError(f"--config: unknown key {bad[0]!r} in the recipe section of {preset} "
+                          f"(known: {', '.join(sorted(known))})")
+    return GpuRecipe(**fields)
+
+
+def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
+            target: str | None = None) -> Prepared:
+    """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
+    target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape)."""
+    from dflash.config import build
+    from extract.regenerate import RegenerateConfig, run_regenerate
+    from extract.run import ExtractConfig, run_extract
+
+    recipe = load_recipe(preset)
+    os.makedirs(workdir, exist_ok=True)
+    timings: dict[str, float] = {}
+    t = time.perf_counter()
+    if target is None:
+        target = os.path.join(workdir, "target")
+        if not (os.path.exists(os.path.join(target, "config.json"))
+                and os.path.exists(os.path.join(target, "tokenizer_config.json"))):  # converted once, then reused
+            from dflash.demo import smollm2_gguf
+            from extract.target import convert_gguf
+
+            target = convert_gguf(smollm2_gguf(), target)
+    timings["prepare target"] = time.perf_counter() - t
+    t = time.perf_counter()
+    train_jsonl, held, counts = prepare_data(workdir, recipe)
+    timings["data"] = time.perf_counter() - t
+    print(f"demo-gpu: {counts['train_samples']} training conversations ({counts['assistant_turns']} assistant "
+          f"turns, {counts['assistant_turns_cut_by_max_turns']} more cut by max_turns={recipe.max_turns}), "
+          f"{counts['eval_prompts']} eval prompts from {counts['heldout_conversations']} held-out conversations",
+          flush=True)
+
+    regen_out = os.path.join(workdir, "regenerated")
+    t = time.perf_counter()
+    regen = run_regenerate(build(RegenerateConfig, preset, "regenerate",
+                                 {"target": target, "data": train_jsonl, "out": regen_out, "device": device,
+                                  "progress": progress}))
+    timings["regenerate"] = time.perf_counter() - t
+
+    cache = os.path.join(workdir, "cache")
+    t = time.perf_counter()
+    ex = run_extract(build(ExtractConfig, preset, "extract",
+                           {"target": target, "data": regen_out, "out": cache, "device": device, "progress": progress}))
+    timings["extract"] = time.perf_counter() - t
+    return Prepared(target, held, cache, counts, timings, regen, ex)
+
+
+def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
+                   train_overrides: dict | None = None, eval_prompts: int | None = None,
+                   eval_dtypes: list[str] | None = None, timings: dict | None = None,
+                   ngram: bool = True, eval_overrides: dict | None = None, eval_tag: str = "") -> dict[str, Any]:
+    """Train a drafter into `run` (resumed when rerun) and evaluate RUN/final once per dtype (RUN/eval-DTYPE.json,
+    reused when newer than RUN/final; eval_tag names variants, e.g. eval-bfloat16-graph.json); n-gram lookup runs
+    in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph).
+    Returns {"train": summary, "eval": {dtype: report}}."""
+    from dflash.config import build
+    from train.eval import EvalConfig, run_eval
+    from train.trainer import TrainConfig, run_train
+
+    recipe = load_recipe(preset)
+    timings = timings if timings is not None else {}
+    t = time.perf_counter()
+    tr = run_train(build(TrainConfig, preset, "train", dict({"cache": prep.cache, "target": prep.target, "out": run,
+                                                             "device": device, "progress": progress},
+                                                            **(train_overrides or {}))))
+    timings["train"] = time.perf_counter() - t
+    evals = {}
+    for i, dtype in enumerate(eval_dtypes or recipe.eval_dtypes):
+        path = os.path.join(run, f"eval-{dtype}{'-' + eval_tag if eval_tag else ''}.json")
+        if os.path.exists(path) and os.path.getmtime(path) > os.path.getmtime(os.path.join(run, "final")):
+            with open(path) as f:
+                evals[dtype] = json.load(f)
+            continue
+        t = time.perf_counter()
+        evals[dtype] = run_eval(build(EvalConfig, preset, "eval", {
+            "target": prep.target, "drafter": os.path.join(run, "final"), "data": prep.heldout,
+            "max_prompts": (eval_prompts or recipe.eval_prompts) if i == 0 or not recipe.later_dtype_prompts
+            else min(recipe.later_dtype_prompts, eval_prompts or recipe.eval_prompts),
+            "max_new_tokens": recipe.eval_max_new_tokens,
+            "dtype": dtype, "ngram": ngram and i == 0, "device": device, "json_out": path, "progress": progress,
+            "plot": os.path.join(run, f"acceptance-{dtype}.png") if i == 0 else None} | (eval_overrides or {})))
+        timings[f"eval {dtype}"] = time.perf_counter() - t
+    return {"train": tr, "eval": evals}
+
+
+def bars(ev: dict[str, Any]) -> dict[str, Any]:
+    """The issue's bars on one eval report."""
+    d, n = ev["dflash"], ev.get("ngram")
+    out = {"tau": d["tau"], "tau_ok": d["tau"] >= BARS["tau"], "speedup": d["speedup"],
+           "speedup_ok": d["speedup"] >= BARS["speedup"]}
+    if n:
+        out["tau_over_ngram"] = d["tau"] / n["tau"] if n["tau"] else None
+        out["tau_over_ngram_ok"] = bool(n["tau"]) and d["tau"] / n["tau"] >= BARS["tau_over_ngram"]
+    return out
+
+
+def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
+                 target: str | None = None, train_overrides: dict | None = None,
+                 eval_prompts: int | None = None) -> dict[str, Any]:
+    """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json."""
+    from train.eval import format_report
+
+    t0 = time.perf_counter()
+    prep = prepare(workdir, preset, device, progress, target)
+    timings = dict(prep.timings)
+    out = train_and_eval(prep, os.path.join(workdir, "run"), preset, device, progress, train_overrides,
+                         eval_prompts, timings=timings)
+    tr, evals = out["train"], out["eval"]
+    hist = tr.get("history") or []
+    last = hist[-1] if hist else {}
+    tps = [h["ctx_tokens_per_s"] for h in hist[1:]] or [h["ctx_tokens_per_s"] for h in hist]
+    first = next(iter(evals.values()))
+    summary = {
+        "recipe": "gpu", "preset": preset, "target": prep.target, "data": prep.counts,
+        "regenerate": {k: prep.regen.get(k) for k in ("tokens_per_s_this_rank", "generated_tokens_this_rank",
+                                                      "generation_s_this_rank", "engine_this_rank", "counts")} if prep.regen else None,
+        "extract_tokens_per_s": (prep.extract or {}).get("tokens_per_s_this_rank"),
+        "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
+                  "ctx_tokens_per_s": sum(tps) / len(tps) if tps else None},
+        "eval": {dt: {"tau_dflash": ev["dflash"]["tau"], "tau_ngram": ev.get("ngram", {}).get("tau"),
+                      "tokens_per_s": {"target": ev["target_tokens_per_s"], "dflash": ev["dflash"]["tokens_per_s"],
+                                       "ngram": ev.get("ngram", {}).get("tokens_per_s")},
+                      "speedup_dflash": ev["dflash"]["speedup"], "speedup_ngram": ev.get("ngram", {}).get("speedup"),
+                      "ms_per_step": {"target": ev["target"]["ms_per_step"], "dflash": ev["dflash"]["ms_per_step"]},
+                      "identical": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
+                      "differences": {k: ev["dflash"]["differences"][k] for k in ("differing", "near_tie", "suspect")}}
+                 for dt, ev in evals.items()},
+        "bars": bars(first),
+        "lossless_float32": (evals["float32"]["dflash"]["outputs_identical"] == evals["float32"]["prompts"]
+                             if "float32" in evals else None),
+        "timings_s": timings,
+        "wall_s": time.perf_counter() - t0,
+    }
+    from dflash.dist import atomic_json
+
+    atomic_json(os.path.join(workdir, "summary.json"), summary)
+    print()
+    for ev in evals.values():
+        print(format_report(ev))
+        print()
+    print(format_summary(summary))
+    return summary
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    b, d = s["bars"], s["data"]
+    rows = [
+        ("training data", f"{d['train_samples']:,} conversations, {d['assistant_turns']:,} assistant turns "
+                          "regenerated by the target"),
+        ("eval prompts", f"{d['eval_prompts']} from {d['heldout_conversations']} held-out conversations"),
+        ("train", f"{s['train']['steps']} steps, final loss {s['train']['final_loss']:.3f}"
+         if s["train"]["final_loss"] is not None else "resumed"),
+        ("tau dflash / n-gram", f"{b['tau']:.2f} / " + (f"{b['tau'] / b['tau_over_ngram']:.2f} "
+                                                         f"({b['tau_over_ngram']:.2f}x)" if b.get("tau_over_ngram") else "-")),
+        ("speed-up vs target alone", f"{b['speedup']:.2f}x"),
+        ("bars (tau>=2.5, >=2x n-gram, >=1.8x)", f"{b['tau_ok']}, {b.get('tau_over_ngram_ok')}, {b['speedup_ok']}"),
+        ("lossless in float32", str(s["lossless_float32"])),
+        ("time", ", ".join(f"{k} {v:.0f}s" for k, v in s["timings_s"].items())),
+    ]
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

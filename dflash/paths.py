@@ -1,0 +1,101 @@
+"""Paths given on the command line, checked before any work starts (errors name the flag).
+
+An output file such as --json is written after a job that may take days: a directory in its place, or a
+parent directory that does not exist, must fail in the first second, not at the end. fsspec URLs
+(`s3://...`) are not checked here (their stores say what is wrong when they are written).
+"""
+
+from __future__ import annotations
+
+import os
+
+from dflash.config import ConfigError, flag
+
+
+def is_url(path: str) -> bool:
+    return "://" in str(path) and not str(path).startswith("file://")
+
+
+def check_output_file(path: str | None, name: str) -> None:
+    """A file that will be written later (--json, --plot): not a directory, in a directory that exists."""
+    if not path or is_url(path):
+        return
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag(name)} {path} is a directory; give a file name such as {os.path.join(path, 'summary.json')}")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ConfigError(f"{flag(name)} {path}: directory {parent} does not exist (create it first)")
+    if not os.access(parent, os.W_OK):
+        raise ConfigError(f"{flag(name)} {path}: directory {parent} is not writable")
+
+
+def check_input_file(path: str | None, name: str) -> None:
+    """A file that must exist (--chat-template FILE)."""
+    if not path or is_url(path):
+        return
+    if not os.path.exists(path):
+        raise ConfigError(f"{flag(name)} {path}: no such file")
+    if os.path.isdir(path):
+        raise ConfigError(f"{flag(name)} {path} is a directory, not a file")
+
+
+def check_output_dir(path: str | None, name: str) -> None:
+    """A directory that will be created or reused (--out): not an existing file."""
+    if not path or is_url(path):
+        return
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError(f"{flag(name)} {path} is an existing file, not a directory")
+
+
+def real(path: str) -> str:
+    return os.path.realpath(os.path.abspath(path))
+
+
+def inside(path: str, root: str) -> bool:
+    """True when `path` is `root` or lies under it (real paths: symlinks resolved)."""
+    p, r = real(path), real(root)
+    return p == r or p.startswith(r.rstrip(os.sep) + os.sep)
+
+
+class output_lock:
+    """`with output_lock(out, "extract", is_main, precheck):` the exclusive lock of an output (dflash_cache.lock)
+    held by rank 0 of a job for the whole command; other ranks of the same job hold nothing (one writer).
+    precheck(out) runs first (before anything is created in `out`): it refuses what must not be written into.
+    An --out that the lock created and that is still empty at the end (a run that failed early) is removed."""
+
+    def __init__(self, out: str, command: str, is_main: bool = True, precheck=None):
+        self.out, self.command, self.is_main, self.precheck = out, command, is_main, precheck
+        self.lock = None
+
+    def __enter__(self):
+        if not self.is_main:
+            return None
+        from dflash_cache.lock import OutputLock
+
+        if self.precheck is not None:
+            self.precheck(self.out)
+        self.created = not is_url(self.out) and not os.path.exists(self.out)
+        self.lock = OutputLock(self.out, f"dflash {self.command}").acquire()
+        if self.lock.note:
+            print(self.lock.note, flush=True)
+        return self.lock
+
+    def __exit__(self, *exc):
+        if self.lock is not None:
+            self.lock.release()
+            if self.created:  # a run that failed before writing anything leaves no empty --out behind
+                try:
+                    os.rmdir(self.out)
+                except OSError:
+                    pass
+
+
+def check_apart(out: str, **inputs: str | None) -> None:
+    """No input (--data, --target, --cache) may be --out or lie inside it: writing, resuming or --overwrite
+    there would change or delete what the command reads."""
+    if not out or is_url(out):
+        return
+    for name, path in inputs.items():
+        if path and not is_url(path) and os.path.exists(path) and inside(path, out):
+            raise ConfigError(f"--out {out} {'is' if real(path) == real(out) else 'contains'} {flag(name)} {path}; "
+                              "an output must be apart from what the command reads: choose another --out")

@@ -1,0 +1,189 @@
+"""One writer per output: an exclusive lock record inside the output directory (or URL).
+
+    with OutputLock(path, "dflash extract ...") as lock:   # raises LockedError when another process holds it
+        ...                                                  # lock.note: "took over a stale lock of ..." or ""
+
+The record, OUT/.dflash.lock, is JSON: host, pid, start time (UTC), command, and the torchrun job id
+(TORCHELASTIC_RUN_ID) when there is one. Rules:
+
+- Local paths: the record is created with O_CREAT | O_EXCL, so of two processes racing for it exactly
+  one wins, on one host or on several sharing a POSIX filesystem that honours O_EXCL (local disks,
+  NFSv3+ and Lustre do).
+- A record left by a process that is gone (same host, its pid no longer runs, or runs a process that
+  started after the record was written) is stale: it is renamed aside and taken over, and `note` says so.
+- A record from another host cannot be checked for liveness: it is refused like a live one; the
+  message names the host and pid and the file to delete if that process is known to be gone.
+- fsspec URLs (object stores): there is no atomic exclusive create. The lock there is best effort:
+  write the record if there is none, read it back after a short pause, and go on only if it is still
+  ours. Two writers starting within that pause can both pass; a writer started later is refused.
+- Ranks of one torchrun job are one writer: rank 0 takes the lock (callers do that) and releases it.
+  The record carries the job id, so a rank-0 restart of the same job (torchrun --max-restarts) takes
+  over its own job's record instead of refusing itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from .format import CacheError
+from .store import Store
+
+LOCK_NAME = ".dflash.lock"
+
+
+class LockedError(CacheError):
+    """Another live process holds the output's lock."""
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _pid_start_time(pid: int) -> float | None:
+    """Wall-clock start time of a local process (Linux /proc), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        return time.time() - uptime + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def job_id() -> str | None:
+    return os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+class OutputLock:
+    """The exclusive lock of one output (see the module docstring). Not reentrant; release() is idempotent."""
+
+    def __init__(self, path: str, command: str | None = None):
+        self.store = Store(path)
+        self.path = str(path)
+        self.command = command or " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))
+        self.record: dict[str, Any] = {}
+        self.note = ""
+        self.held = False
+
+    @property
+    def where(self) -> str:
+        return os.path.join(self.store.root, LOCK_NAME) if self.store.local else f"{self.store.root}/{LOCK_NAME}"
+
+    def _new_record(self) -> dict[str, Any]:
+        return {"host": socket.gethostname(), "pid": os.getpid(), "job": job_id(), "command": self.command,
+                "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "started_unix": time.time()}
+
+    def _refuse(self, rec: dict[str, Any]) -> LockedError:
+        return LockedError(
+            f"{self.path} is in use by another dflash process: pid {rec.get('pid')} on host {rec.get('host')} "
+            f"(since {rec.get('started')}: {rec.get('command')}); wait for it to finish, or, if that process is gone "
+            f"(e.g. another machine crashed), delete {self.where}")
+
+    def _stale(self, rec: dict[str, Any]) -> str | None:
+        """Why `rec` is stale (so we may take it over), or None when it may be live."""
+        if not isinstance(rec, dict):
+            return "an unreadable lock record"
+        if rec.get("job") and rec.get("job") == job_id():
+            return f"a lock of this same torchrun job (pid {rec.get('pid')})"
+        if rec.get("host") != socket.gethostname():
+            return None
+        pid = int(rec.get("pid", -1))
+        if pid == os.getpid():
+            return None  # ourselves, through another OutputLock: refuse (not reentrant)
+        if pid <= 0 or not _pid_alive(pid):
+            return f"the stale lock of pid {pid} on {rec.get('host')}, which no longer runs"
+        started = _pid_start_time(pid)
+        if started is not None and started > float(rec.get("started_unix", 0)) + 2:
+            return f"the stale lock of pid {pid} on {rec.get('host')} (that pid now belongs to a newer process)"
+        return None
+
+    def acquire(self) -> "OutputLock":
+        for _ in range(5):
+            rec = self._new_record()
+            if self._try_create(rec):
+                self.record, self.held = rec, True
+                return self
+            old = self._read()
+            if old is None:  # released between our attempt and the read: try again
+                continue
+            why = self._stale(old)
+            if why is None:
+                raise self._refuse(old)
+            self._set_aside(old)
+            self.note = f"note: took over {why} on {self.path}"
+        raise LockedError(f"{self.path}: could not take the lock {self.where} (it keeps changing hands)")
+
+    def _read(self) -> dict[str, Any] | None:
+        raw = self.store.get(LOCK_NAME)
+        if raw is None:
+            return None
+        try:
+            return json.loads(raw)
+        except ValueError:
+            return {"host": "?", "pid": "?", "unreadable": True}
+
+    def _try_create(self, rec: dict[str, Any]) -> bool:
+        data = json.dumps(rec, indent=1).encode()
+        if self.store.local:
+            os.makedirs(self.store.root, exist_ok=True)
+            try:
+                fd = os.open(self.where, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                return False
+            except OSError as e:
+                raise CacheError(f"cannot create the lock {self.where}: {e.strerror or e}") from e
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            return True
+        if self.store.get(LOCK_NAME) is not None:  # object stores: no exclusive create (see the docstring)
+            return False
+        self.store.put(LOCK_NAME, data)
+        time.sleep(0.5)
+        back = self._read()
+        return back is not None and back.get("pid") == rec["pid"] and back.get("host") == rec["host"] \
+            and back.get("started_unix") == rec["started_unix"]
+
+    def _set_aside(self, old: dict[str, Any]) -> None:
+        if self.store.local:
+            try:  # a rename, so that two processes taking over the same stale lock cannot both remove a new one
+                os.replace(self.where, f"{self.where}.stale.{os.getpid()}")
+                os.unlink(f"{self.where}.stale.{os.getpid()}")
+            except FileNotFoundError:
+                pass
+        else:
+            self._delete_remote()
+
+    def _delete_remote(self) -> None:
+        self.store._sync(self.store._zstore.delete(LOCK_NAME))
+
+    def release(self) -> None:
+        if not self.held:
+            return
+        self.held = False
+        cur = self._read()
+        if cur is not None and cur.get("pid") == self.record["pid"] and cur.get("started_unix") == self.record["started_unix"]:
+            if self.store.local:
+                try:
+                    os.unlink(self.where)
+                except FileNotFoundError:
+                    pass
+            else:
+                self._delete_remote()
+
+    def __enter__(self) -> "OutputLock":
+        return self.acquire()
+
+    def __exit__(self, *exc) -> None:
+        self.release()

@@ -1,0 +1,140 @@
+"""The GPU recipe's data preparation (dflash/demo_gpu.py) and its preset, on CPU, without a GPU:
+
+  * the split is by conversation, deterministic, ~heldout_percent; no conversation is on both sides;
+  * every user turn of a training conversation is kept with its history (one multi-turn sample), up to
+    max_turns, ending on an assistant turn; roles alternate from the user;
+  * eval prompts are held-out histories up to a user turn, at varied positions, never repeated;
+  * configs/demo-gpu.yaml builds every stage's config (no unknown key), and the CLI refuses CPU-only flags.
+"""
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from dflash.demo_gpu import (GpuRecipe, as_messages, dialogues, eval_prompts, is_heldout, load_recipe, split_data,
+                             training_sample)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def fake_chitchat(n: int, seed: int = 0) -> dict:
+    """chitchat's layout: {id: {"messages": [turn, ...]}}, a turn = one sender's messages."""
+    rng = random.Random(seed)
+    out = {}
+    for c in range(n):
+        turns = []
+        for t in range(rng.choice([1, 2, 3, 6, 11, 24])):
+            turns.append([{"text": f"c{c} t{t} m{m}", "sender": "ab"[t % 2]} for m in range(rng.randint(1, 3))])
+        out[f"conv-{c:04d}-{rng.random():.6f}"] = {"messages": turns}
+    return out
+
+
+def test_dialogues_join_a_turns_messages_and_stop_at_an_empty_turn():
+    raw = {"a": {"messages": [[{"text": " hi "}, {"text": "there"}], [{"text": "yo"}], [{"text": " "}], [{"text": "x"}]]},
+           "b": {"messages": []}}
+    assert dialogues(raw) == [("a", ["hi\nthere", "yo"]), ("b", [])]
+
+
+def test_heldout_split_is_by_conversation_deterministic_and_about_the_percentage():
+    keys = [f"k{i}" for i in range(4000)]
+    held = [k for k in keys if is_heldout(k, 5.0)]
+    assert 0.04 < len(held) / len(keys) < 0.06
+    assert held == [k for k in keys if is_heldout(k, 5.0)]  # no randomness
+    assert set(held) <= {k for k in keys if is_heldout(k, 10.0)}  # a larger share contains the smaller
+
+
+def test_training_samples_keep_every_user_turn_with_its_history():
+    turns = [f"t{i}" for i in range(7)]
+    s = training_sample(turns, 0)
+    assert [m["content"] for m in s] == turns[:6]  # the trailing user turn has no answer to learn
+    assert [m["role"] for m in s] == ["user", "assistant"] * 3
+    assert [m["content"] for m in training_sample(turns, 4)] == turns[:4]
+    assert [m["content"] for m in training_sample(turns, 5)] == turns[:4]  # ends on an assistant turn
+    assert training_sample(["only a user"], 16) is None
+
+
+def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns():
+    raw = fake_chitchat(600)
+    recipe = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40)
+    samples, prompts, counts = split_data(raw, recipe)
+    convs = dict(dialogues(raw))
+    cid = {t[0]: k for k, ts in convs.items() for t in [ts[:1]] if ts}  # first turn text -> conversation
+
+    def conv_of(msgs):
+        return cid[msgs[0]["content"]]
+
+    train_ids = {conv_of(s) for s in samples}
+    held_ids = {conv_of(p) for p in prompts}
+    assert train_ids and held_ids and not (train_ids & held_ids)
+    assert all(is_heldout(k, 10) for k in held_ids) and not any(is_heldout(k, 10) for k in train_ids)
+    # every training conversation with an answered user turn is there, all its turns up to max_turns
+    want = {k for k, ts in convs.items() if not is_heldout(k, 10) and len(ts) >= 2}
+    assert train_ids == want and counts["train_samples"] == len(want)
+    for s in samples:
+        ts = convs[conv_of(s)]
+        n = min(len(ts), 8) // 2 * 2
+        assert [m["content"] for m in s] == ts[:n] and s[-1]["role"] == "assistant"
+    assert counts["assistant_turns"] == sum(len(s) // 2 for s in samples)
+    assert counts["assistant_turns_cut_by_max_turns"] == sum(len(convs[k]) // 2 for k in want) - counts["assistant_turns"]
+    # prompts: a held-out history up to an answered user turn (within max_turns), unique, positions vary
+    assert len(prompts) == 40
+    keys = set()
+    for p in prompts:
+        ts = convs[conv_of(p)]
+        assert p == as_messages(ts[: len(p)]) and p[-1]["role"] == "user" and len(p) <= 8 and len(p) < len(ts)
+        keys.add((conv_of(p), len(p)))
+    assert len(keys) == 40
+    assert len({len(p) for p in prompts}) >= 3
+    assert split_data(raw, recipe)[1] == prompts  # deterministic
+
+
+def test_too_few_heldout_prompts_is_an_error_naming_the_setting():
+    with pytest.raises(ValueError, match="eval_prompts"):
+        split_data(fake_chitchat(30), GpuRecipe(heldout_percent=5, max_turns=4, eval_prompts=500))
+
+
+def test_eval_prompts_take_later_turns_in_later_rounds():
+    held = [("a", ["u0", "a0", "u1", "a1", "u2", "a2"]), ("b", ["u0", "a0"])]
+    ps = eval_prompts(held, 4, 0)
+    assert sorted(len(p) for p in ps) == [1, 1, 3, 5]  # a: turns 0, 2, 4 (all answered); b: turn 0
+
+
+def test_the_preset_builds_every_stage_config():
+    from dflash.config import build
+    from extract.regenerate import RegenerateConfig
+    from extract.run import ExtractConfig
+    from train.eval import EvalConfig
+    from train.trainer import TrainConfig
+
+    r = load_recipe("demo-gpu")
+    assert r.eval_dtypes[0] == "bfloat16" and "float32" in r.eval_dtypes
+    build(RegenerateConfig, "demo-gpu", "regenerate", {"target": "t", "data": "d", "out": "o"})
+    build(ExtractConfig, "demo-gpu", "extract", {"target": "t", "data": "d", "out": "o"})
+    t = build(TrainConfig, "demo-gpu", "train", {"cache": "c", "target": "t", "out": "o"})
+    assert t.block_size in (8, 16) and 1 <= t.drafter_layers <= 3
+    build(EvalConfig, "demo-gpu", "eval", {"target": "t", "drafter": "d", "data": "p"})
+
+
+def test_cli_refuses_a_cpu_only_flag_for_the_gpu_recipe(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dflash", "demo", "--recipe", "gpu", "--train-prompts", "50",
+                        "--workdir", str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 2 and "--train-prompts" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "w").exists()
+
+
+def test_demo_config_resolves_the_recipe_and_keeps_the_cpu_sizes():
+    from dflash.demo import CPU_SIZES, DemoConfig
+
+    c = DemoConfig(recipe="cpu").cpu()
+    assert (c.train_prompts, c.eval_prompts, c.train_steps, c.drafter_layers) == tuple(
+        CPU_SIZES[k] for k in ("train_prompts", "eval_prompts", "train_steps", "drafter_layers"))
+    assert c.workdir == "work/demo" and c.block_size == 4
+    assert DemoConfig(recipe="cpu", train_steps=7).cpu().train_steps == 7
+    assert DemoConfig(device="cpu").resolved_recipe() == "cpu"
+    assert DemoConfig(recipe="gpu", device="cpu").resolved_recipe() == "gpu"
+    with pytest.raises(ValueError, match="recipe"):
+        DemoConfig(recipe="tpu")
