@@ -101,7 +101,8 @@ def _work(args):
     ids, mask, lens, sidx = _flatten(part)
     path = os.path.join(tmp, f"part-{lo:012d}.npz")
     np.savez(path, ids=ids, mask=mask, lens=lens, sidx=sidx)
-    return {"path": path, "shortest_prompt": part.shortest_prompt, **{k: getattr(part, k) for k in _COUNTS}}
+    return {"path": path, "shortest_prompt": part.shortest_prompt, "n_tokens": len(ids), "n_docs": len(lens),
+            **{k: getattr(part, k) for k in _COUNTS}}
 
 
 def tokenize_parallel(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, workers: int, out_dir: str) -> dict:
@@ -124,16 +125,16 @@ def tokenize_parallel(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, wo
             raise r["error"]
     counts = {k: sum(r[k] for r in results) for k in _COUNTS}
     prompts = [r["shortest_prompt"] for r in results if r["shortest_prompt"] is not None]
-    parts = [np.load(r["path"]) for r in results]
-    total_tokens = sum(len(p["ids"]) for p in parts)
-    ndocs = sum(len(p["lens"]) for p in parts)
+    total_tokens = sum(r["n_tokens"] for r in results)
+    ndocs = sum(r["n_docs"] for r in results)
     ids = np.lib.format.open_memmap(os.path.join(out_dir, "ids.npy"), "w+", np.int32, (total_tokens,))
     mask = np.lib.format.open_memmap(os.path.join(out_dir, "mask.npy"), "w+", np.uint8, (total_tokens,))
     offsets = np.zeros(ndocs + 1, np.int64)
     sidx = np.zeros(ndocs, np.int64)
     t = d = 0
-    for p, r in zip(parts, results):
-        k, m = len(p["ids"]), len(p["lens"])
+    for r in results:  # one part in memory at a time: the parent's peak is a part, not the dataset
+        p = dict(np.load(r["path"]))
+        k, m = r["n_tokens"], r["n_docs"]
         ids[t:t + k], mask[t:t + k] = p["ids"], p["mask"]
         offsets[d + 1:d + m + 1] = t + np.cumsum(p["lens"])
         sidx[d:d + m] = p["sidx"]
