@@ -195,9 +195,8 @@ def tokenize_cached(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, cach
             except OSError:  # another node built the same entry first: its content is the same
                 if not os.path.exists(os.path.join(final, "meta.json")):
                     raise
-            if progress:
-                print(f"extract: tokenised {len(ds)} conversations with {workers} processes in "
-                      f"{time.perf_counter() - t0:.1f} s -> {final}", flush=True)
+            print(f"extract: tokenised {len(ds)} conversations with {workers} processes in "
+                  f"{time.perf_counter() - t0:.1f} s -> {final}", flush=True)  # once per job and node
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if dist is not None and dist.distributed:

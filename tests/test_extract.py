@@ -527,10 +527,12 @@ def test_changed_settings_are_errors_and_overwrite_replaces(work, targets, data_
 
 def test_torchrun_two_processes_equal_single_process(work, targets, data_path, ref_cache):
     out = work / "torchrun-cache"
+    tok_cache = work / "torchrun-tokenized"
     log = run_cli(work, "--standalone", "--nproc-per-node", "2", "-m", "dflash",
                   *extract_args(targets["qwen3"], data_path, out), "--json", str(work / "torchrun.json"),
-                  launcher=("-m", "torch.distributed.run"))
+                  "--tokenize-cache", str(tok_cache), launcher=("-m", "torch.distributed.run"))
     assert log.count("cache complete") == 1  # rank 0 reports
+    assert log.count("extract: tokenised") == 1 and len(os.listdir(tok_cache)) == 1  # one rank tokenised, once
     summary = json.loads((work / "torchrun.json").read_text())
     assert summary["ranks"] == 2 and summary["tokens_all_ranks"] == summary["real_tokens"] > summary["tokens_this_rank"]
     assert_same_cache(ref_cache["path"], out)
