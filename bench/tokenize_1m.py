@@ -8,7 +8,8 @@ Writes N synthetic conversations (one user and one assistant turn, log-normal le
   serial    load_chat_dataset + tokenize_dataset (one process, what every rank did before) + pack
   parallel  load_chat_dataset + tokenize_cached with --workers processes into an empty cache + pack (rank 0)
   reuse     the same call once the entry exists (what the other ranks and a rerun do) + pack
-Reports seconds per phase, peak RSS of the process and of its largest worker, and checks that every mode
+Reports seconds per phase, peak RSS of the process and of its largest worker, its anonymous and file-backed
+(mapped cache files) resident memory at the end, and checks that every mode
 gives the same data fingerprint and the same number of packed rows. The tokenizer is the tiny byte-level
 BPE of tests/tiny.py (~2.75 tokens per word; a real 150k-vocabulary tokenizer is slower per token), or
 --tokenizer DIR (a local HF tokenizer with a chat template).
@@ -43,6 +44,18 @@ def write_chats(path: str, n: int, mean_tokens: int, seed: int = 0) -> None:
                                              {"role": "assistant", "content": words(total - prompt)}]}) + "\n")
 
 
+def rss_split_gb() -> tuple[float, float]:
+    """(anonymous, file-backed) resident GB of this process now: the flat arrays of the cache are mapped files,
+    resident as page cache the kernel can drop, not heap."""
+    vals = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                k, v = line.split(":")
+                vals[k] = int(v.split()[0]) / 1e6
+    return vals.get("RssAnon", 0.0), vals.get("RssFile", 0.0)
+
+
 def one_mode(a) -> dict:
     from extract.data import ChatTokenizer, data_fingerprint, load_chat_dataset, tokenize_dataset
     from extract.pack import pack
@@ -69,7 +82,8 @@ def one_mode(a) -> dict:
     t2 = time.perf_counter()
     plan = pack(data.lengths, a.seq_len)
     t3 = time.perf_counter()
-    return {"mode": a.mode, "conversations": len(ds), "docs": len(data.docs), "tokens": int(data.tokens),
+    anon, filed = rss_split_gb()
+    return {"rss_anon_gb_at_end": anon, "rss_file_gb_at_end": filed,"mode": a.mode, "conversations": len(ds), "docs": len(data.docs), "tokens": int(data.tokens),
             "rows": len(plan), "load_s": t1 - t0, "tokenize_s": t2 - t1, "pack_s": t3 - t2, "total_s": t3 - t0,
             "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
             "worker_peak_rss_gb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1e6, "fingerprint": fp,
@@ -114,7 +128,8 @@ def main():
         print(f"tokenise + pack, {hardware()}; same data fingerprint in every mode: {len(fps) == 1}; "
               f"same packed rows: {len(rows) == 1}")
         print(table(res, ["mode", "workers", "conversations", "docs", "tokens", "rows", "load_s", "tokenize_s", "pack_s",
-                          "total_s", "peak_rss_gb", "worker_peak_rss_gb"]))
+                          "total_s", "peak_rss_gb", "rss_anon_gb_at_end", "rss_file_gb_at_end",
+                          "worker_peak_rss_gb"]))
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"hardware": hardware(), "n": a.n, "mean_tokens": a.mean_tokens, "seq_len": a.seq_len,
