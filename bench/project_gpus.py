@@ -10,7 +10,7 @@ A job of N ranks on one host is bounded by the least of three rates (tokens/s):
         cores/N threads: the host's cores are the budget, whatever N is)
   disk  the disk's write rate through zarr / stored bytes per token
 and by the imbalance of the shard split: ranks get whole shards (greedy LPT by real tokens), so the slowest
-rank carries at most mean + one shard; --shards gives the shard count to bound that (1 + N / shards at worst).
+rank carries about mean + one shard; --shards gives the shard count to bound that (x 1 + (N-1) / shards).
 The raw bytes per token are 2*K*H + 16 (bf16 hidden states + ids, mask, doc id), stored = raw / --ratio.
 Prints each ceiling, the binding one, and the projected speed-up over one GPU.
 """
@@ -23,16 +23,15 @@ import json
 
 def project(n: int, gpu_tok_s: float, cores: int, compress_mb_s_per_core: float, disk_gb_s: float,
             raw_bpt: float, ratio: float, shards: int | None) -> dict:
-    imbalance = 1.0 + (n / shards if shards else 0.0)  # worst case: the slowest rank has one shard above the mean
+    imbalance = 1.0 + ((n - 1) / shards if shards else 0.0)  # ~ the slowest rank holds one shard above the mean
     ceilings = {
         "gpu": n * gpu_tok_s / imbalance,
         "cpu_compression": cores * compress_mb_s_per_core * 1e6 / raw_bpt,
         "disk": disk_gb_s * 1e9 / (raw_bpt / ratio),
     }
     bound = min(ceilings, key=ceilings.get)
-    one = min(gpu_tok_s, ceilings["cpu_compression"], ceilings["disk"])
     return {"gpus": n, **{f"{k}_tok_s": v for k, v in ceilings.items()}, "bound_by": bound,
-            "projected_tok_s": ceilings[bound], "speedup_vs_one_gpu": ceilings[bound] / one,
+            "projected_tok_s": ceilings[bound],
             "worst_imbalance": imbalance}
 
 
@@ -64,6 +63,8 @@ def main():
     raw = 2 * a.layers * a.hidden + 16
     rows = [project(n, g, a.cores, a.compress_mb_s_per_core, a.disk_gb_s, raw, a.ratio, a.shards)
             for n in range(1, a.gpus + 1)]
+    for r in rows:
+        r["speedup_vs_one_gpu"] = r["projected_tok_s"] / rows[0]["projected_tok_s"]
     print(f"one GPU {g:,.0f} tok/s; {a.cores} cores x {a.compress_mb_s_per_core} MB/s; disk {a.disk_gb_s} GB/s; "
           f"{raw} raw B/token, {raw / a.ratio:,.0f} stored")
     print("| gpus | gpu ceiling | cpu ceiling | disk ceiling | bound by | projected tok/s | x one GPU |")
