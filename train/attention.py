@@ -97,11 +97,7 @@ def _chunk_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, adoc, doc, qpos, cp
     k_blk/v_blk [R, nkv, n, B, d]; anchors/adoc [R, n]; doc/cpos [R, kr]; qpos [R, n, B]."""
     R, nkv, rep, n, B, d = q.shape
     kr = k_ctx.shape[2]
-    j = torch.arange(lo, lo + kr, device=q.device)
-    see = (j[None, None, :] < anchors[..., None]) & (doc[:, None, :] == adoc[..., None])  # [R, n, kr]
-    see = see[:, :, None, :]  # [R, n, 1, kr]
-    if window is not None:
-        see = see & (qpos[..., None] - cpos[:, None, None, :] < window)  # [R, n, B, kr]
+    see = _visible(anchors, adoc, doc, qpos, cpos, lo, window)  # [R, n, 1 or B, kr]
     s_ctx = (q.reshape(R, nkv, rep * n * B, d) @ k_ctx.transpose(-1, -2)).view(R, nkv, rep, n, B, kr)
     s_ctx = s_ctx.masked_fill(~see[:, None, None], float("-inf"))
     s_blk = q @ k_blk[:, :, None].transpose(-1, -2)  # [R, nkv, rep, n, B, B]
