@@ -47,7 +47,8 @@ ALL_SHAPES = {**SHAPES, "tiny": (TINY, 256, 2, 32, 16, 2)}
 
 
 def build(shape, device: str, attn: str, seed: int = 0):
-    from train.model import DFlashDrafter, DrafterConfig, default_layer_ids
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.core.layers import default_layer_ids
 
     tshape, T, rows, anchors, block, layers = shape
     hf = qwen3_config(tshape)
@@ -92,7 +93,7 @@ def fwd_bwd(fn, model, batch, anchors: int, gamma: float, cuda_graphs: bool):
 
 
 def compare(grads, ref, names):
-    from train.trainer import grad_agreement
+    from dflash.train.trainer import grad_agreement
 
     out = grad_agreement(grads, ref, names)
     out["worst"] = max(out["per_param"], key=lambda x: x["rel_err"])
@@ -103,7 +104,7 @@ def compare(grads, ref, names):
 def trajectory(fn, model, init, data, steps: int, warmup_ratio: float, lr: float, anchors: int, gamma: float,
                cuda_graphs: bool, nudge: bool = False):
     """The trainer's update, step by step, from `init` weights: per-step loss and pre-clip grad norm."""
-    from train.trainer import lr_at
+    from dflash.train.trainer import lr_at
 
     params = [p for p in model.parameters() if p.requires_grad]
     with torch.no_grad():
@@ -135,7 +136,7 @@ def trajectory(fn, model, init, data, steps: int, warmup_ratio: float, lr: float
 
 def compiled_step(model, variant: str, mode):
     """The step function compile_check compares with eager (see --variant)."""
-    import train.model as M
+    import dflash.train.model as M
 
     if variant == "full":
         return torch.compile(model.forward_train, mode=mode, dynamic=False, fullgraph=True)

@@ -33,7 +33,7 @@ def one_mode(a) -> dict:
     import torch
 
     from bench.train import synthetic_rows
-    from train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.model import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,

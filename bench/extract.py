@@ -40,9 +40,10 @@ def dir_bytes(p: str) -> int:
 
 
 def packed_rows(target: str, data: str, seq_len: int):
-    from extract.data import ChatTokenizer, load_chat_dataset, tokenize_dataset
-    from extract.pack import materialize, pack
-    from extract.target import load_tokenizer
+    from dflash.extract.data import ChatTokenizer, tokenize_dataset
+    from dflash.core.chat import load_chat_dataset
+    from dflash.extract.pack import materialize, pack
+    from dflash.core.target import load_tokenizer
 
     tok = load_tokenizer(target)
     docs = tokenize_dataset(load_chat_dataset(data), ChatTokenizer(tok), seq_len, data, progress=False)
@@ -52,7 +53,7 @@ def packed_rows(target: str, data: str, seq_len: int):
 
 def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=None) -> float:
     """Real tokens/s of the target over all rows; mode: flex | sdpa (document masks) | causal (no mask)."""
-    from extract.target import packed_block_mask, packed_causal_mask
+    from dflash.extract.target import packed_block_mask, packed_causal_mask
 
     dev = pt.device
     n = rows["input_ids"].shape[0]
@@ -132,9 +133,9 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
-    from extract.run import ExtractConfig, run_extract
-    from extract.target import PackedTarget
-    from train.model import default_layer_ids
+    from dflash.extract.run import ExtractConfig, run_extract
+    from dflash.extract.target import PackedTarget
+    from dflash.core.layers import default_layer_ids
 
     shape = QWEN3_8B if a.shape == "qwen3-8b" else SMOLLM2
     os.makedirs(a.shm_dir, exist_ok=True)
@@ -163,7 +164,7 @@ def main():
                 res[f"forward_{mode}{'_capture' if cap else ''}_tok_s"] = tps
                 print(table_rows[-1], flush=True)
         if "compiled" not in skip:
-            from extract.compiled import CompiledTarget, check_compiled
+            from dflash.extract.compiled import CompiledTarget, check_compiled
 
             runner = CompiledTarget(pt)
             b = {k: torch.from_numpy(rows[k][:a.batch_rows]).to("cuda", torch.long)

@@ -29,7 +29,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import train.model as M  # noqa: E402
+import dflash.train.model as M  # noqa: E402
 from bench.common import hardware  # noqa: E402
 from bench.compile_check import ALL_SHAPES, batches, build  # noqa: E402
 

@@ -37,7 +37,7 @@ def _load(path: str) -> dict:
 
 
 def _save(path: str, obj) -> None:
-    from dflash.dist import atomic_json
+    from dflash.core.dist import atomic_json
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     atomic_json(path, obj)
@@ -120,10 +120,10 @@ def sweep(a, prep) -> dict:
 
 
 def curve(a, prep) -> dict:
-    from dflash.config import build
+    from dflash.core.config import build
     from dflash.demo_gpu import load_recipe
-    from train.eval import EvalConfig, run_eval
-    from train.trainer import TrainConfig
+    from dflash.train.eval import EvalConfig, run_eval
+    from dflash.train.trainer import TrainConfig
 
     import dflash_cache
 

@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from dflash.weights import fingerprint  # noqa: E402
+from dflash.core.weights import fingerprint  # noqa: E402
 
 
 def qwen3_tensors(layers: int, hidden: int, inter: int, vocab: int, heads: int, kv_heads: int, head_dim: int):

@@ -68,10 +68,12 @@ FORMATS = {
 
 def real_hidden(args) -> tuple[torch.Tensor, list[int], str]:
     """bf16 [tokens, K*H] of the real tokens of `rows` packed rows, and the layer ids."""
-    from extract.data import ChatTokenizer, load_chat_dataset, tokenize_dataset
-    from extract.pack import materialize, pack
-    from extract.target import PackedTarget, convert_gguf, load_config, load_tokenizer, text_config
-    from train.model import default_layer_ids
+    from dflash.extract.data import ChatTokenizer, tokenize_dataset
+    from dflash.core.chat import load_chat_dataset
+    from dflash.extract.pack import materialize, pack
+    from dflash.extract.target import PackedTarget
+    from dflash.core.target import convert_gguf, load_config, load_tokenizer, text_config
+    from dflash.core.layers import default_layer_ids
 
     target = args.target
     if target is None:

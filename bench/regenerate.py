@@ -25,15 +25,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from extract.generate import Engine, Request, eos_ids_of, plan_engine, rng_key  # noqa: E402
-from dflash.dist import resolve_dtype  # noqa: E402
+from dflash.extract.generate import Engine, Request, eos_ids_of, plan_engine, rng_key  # noqa: E402
+from dflash.core.dist import resolve_dtype  # noqa: E402
 
 
 def demo_model() -> str:
     """The SmolLM2-135M-Instruct GGUF of the demo, converted once to a save_pretrained folder (fast loads)."""
     import tempfile
 
-    from extract.target import convert_gguf
+    from dflash.core.target import convert_gguf
     from tests.tiny import smollm2_gguf
 
     found = smollm2_gguf()
@@ -136,7 +136,7 @@ def main() -> None:
         prompts = [[rng.randrange(1000, 150000) for _ in range(rng.randint(lo, hi))] for _ in range(a.prompts)]
         eos: set[int] = set()
     else:
-        from extract.target import load_causal_lm, load_tokenizer
+        from dflash.core.target import load_causal_lm, load_tokenizer
 
         path = demo_model() if a.model == "demo" else a.model
         dtype = resolve_dtype(a.dtype, dev)

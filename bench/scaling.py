@@ -92,7 +92,7 @@ def main():
             save()
     if "train" in a.parts:
         from bench.train import synthetic_cache
-        from train.model import default_layer_ids
+        from dflash.core.layers import default_layer_ids
 
         cache = synthetic_cache(a.train_cache or os.path.join(a.shm, "train-cache"), target, 3072, 32,
                                 default_layer_ids(QWEN3_8B["num_hidden_layers"]))

@@ -31,19 +31,19 @@ def main():
     ap.add_argument("--device", default="auto")
     a = ap.parse_args()
 
-    from dflash.config import build
+    from dflash.core.config import build
     from dflash.demo import DemoConfig, _regenerate, prepare_data, smollm2_gguf
-    from extract.run import ExtractConfig, run_extract
-    from extract.target import convert_gguf
-    from train.eval import EvalConfig, run_eval
-    from train.trainer import TrainConfig, run_train
+    from dflash.extract.run import ExtractConfig, run_extract
+    from dflash.core.target import convert_gguf
+    from dflash.train.eval import EvalConfig, run_eval
+    from dflash.train.trainer import TrainConfig, run_train
 
     demo = DemoConfig(workdir=a.workdir, responses=a.responses, train_prompts=a.train_prompts,
                       eval_prompts=a.eval_prompts, device=a.device, progress=False)
     os.makedirs(a.workdir, exist_ok=True)
     target = convert_gguf(smollm2_gguf(), os.path.join(a.workdir, "target"))
     train_jsonl, held = prepare_data(demo)
-    from dflash.config import read_preset
+    from dflash.core.config import read_preset
 
     demo.regen_max_new_tokens = read_preset(a.config, "regenerate").get("max_new_tokens", demo.regen_max_new_tokens)
     data = _regenerate(demo, target, train_jsonl) if a.responses == "regenerate" else train_jsonl

@@ -50,10 +50,10 @@ def main(argv=None):
     a = ap.parse_args(argv)
 
     from dflash.demo import DemoConfig, _regenerate, prepare_data, smollm2_gguf
-    from extract.run import ExtractConfig, run_extract
-    from extract.target import convert_gguf
-    from train.eval import EvalConfig, run_eval
-    from train.trainer import TrainConfig, run_train
+    from dflash.extract.run import ExtractConfig, run_extract
+    from dflash.core.target import convert_gguf
+    from dflash.train.eval import EvalConfig, run_eval
+    from dflash.train.trainer import TrainConfig, run_train
 
     os.makedirs(a.workdir, exist_ok=True)
     demo = DemoConfig(workdir=a.workdir, responses=a.responses, train_prompts=a.train_prompts,

@@ -57,9 +57,10 @@ def rss_split_gb() -> tuple[float, float]:
 
 
 def one_mode(a) -> dict:
-    from extract.data import ChatTokenizer, data_fingerprint, load_chat_dataset, tokenize_dataset
-    from extract.pack import pack
-    from extract.tokenize_cache import tokenize_cached
+    from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenize_dataset
+    from dflash.core.chat import load_chat_dataset
+    from dflash.extract.pack import pack
+    from dflash.extract.tokenize_cache import tokenize_cached
 
     if a.tokenizer:
         from transformers import AutoTokenizer

@@ -60,7 +60,7 @@ def synthetic_rows(n: int, seq_len: int, width: int, vocab: int, rng, g):
 def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: list[int], seed: int = 0,
                     hidden_dtype: str = "bfloat16") -> str:
     import dflash_cache
-    from extract.target import target_info
+    from dflash.core.target import target_info
 
     info = target_info(target)
     if os.path.exists(os.path.join(path, "zarr.json")):
@@ -79,7 +79,7 @@ def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: 
 
 
 def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16"):
-    from train.trainer import Trainer, TrainConfig
+    from dflash.train.trainer import Trainer, TrainConfig
 
     _, T, rows, anchors, block, layers = shape
     shutil.rmtree(out, ignore_errors=True)
@@ -130,7 +130,7 @@ def main():
         shape = SHAPES[name]
         tshape, T, rows, anchors, block, layers = shape
         target = random_target_dir(os.path.join(wd, f"target-{name}"), tshape, device=dev, head_only=True)
-        from train.model import default_layer_ids
+        from dflash.core.layers import default_layer_ids
 
         for hdt, mode in [(d, m) for d in a.hidden_dtypes.split(",") for m in a.modes.split(",")]:
             suffix = "" if hdt == "bf16" else f"-{hdt}"

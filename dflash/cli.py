@@ -27,7 +27,7 @@ class CleanErrors(click.Group):
 
 
 def known_errors() -> tuple[type[Exception], ...]:
-    from dflash.errors import DflashError  # light: no torch import on the error path
+    from dflash.core.errors import DflashError  # light: no torch import on the error path
 
     return (dflash_cache.CacheError, DflashError)
 
@@ -35,7 +35,7 @@ def known_errors() -> tuple[type[Exception], ...]:
 def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
     """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
     must lie outside --out."""
-    from dflash.paths import check_apart, check_input_file, check_output_dir, check_output_file
+    from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
 
     check_output_file(json, "json")
     check_output_file(plot, "plot")
@@ -49,7 +49,7 @@ def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
     """The --gpus convenience: re-run this command under torchrun on those GPUs (returns True if it did)."""
     if not gpus:
         return False
-    from dflash.dist import launch_torchrun, under_torchrun
+    from dflash.core.dist import launch_torchrun, under_torchrun
 
     if under_torchrun():
         raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
@@ -215,8 +215,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
                 data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "extract")
-    from dflash.config import build, parse_int_list, parse_kv
-    from extract.run import ExtractConfig, run_extract
+    from dflash.core.config import build, parse_int_list, parse_kv
+    from dflash.extract.run import ExtractConfig, run_extract
 
     if no_progress:
         flags["progress"] = False
@@ -225,7 +225,7 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     cfg = build(ExtractConfig, preset, "extract", flags)
     summary = run_extract(cfg)
     if json_out:
-        from dflash.dist import write_json0
+        from dflash.core.dist import write_json0
 
         write_json0(json_out, summary)
 
@@ -280,8 +280,8 @@ def train(preset, gpus, no_progress, **flags):
     """
     check_paths(out=flags.get("out"))
     relaunch_with_gpus(gpus, "train")
-    from dflash.config import build
-    from train.trainer import TrainConfig, run_train
+    from dflash.core.config import build
+    from dflash.train.trainer import TrainConfig, run_train
 
     if no_progress:
         flags["progress"] = False
@@ -313,8 +313,8 @@ def eval_cmd(preset, no_progress, **flags):
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
     """
     check_paths(json=flags.get("json_out"), plot=flags.get("plot"))
-    from dflash.config import build, parse_kv
-    from train.eval import EvalConfig, format_report, run_eval
+    from dflash.core.config import build, parse_kv
+    from dflash.train.eval import EvalConfig, format_report, run_eval
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
@@ -364,8 +364,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
                 data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "regenerate")
-    from dflash.config import build, parse_kv
-    from extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.core.config import build, parse_kv
+    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
@@ -373,7 +373,7 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     cfg = build(RegenerateConfig, preset, "regenerate", flags)
     summary = run_regenerate(cfg)
     if json_out:
-        from dflash.dist import write_json0
+        from dflash.core.dist import write_json0
 
         write_json0(json_out, summary)
 

@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dflash.config import check
+from dflash.core.config import check
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -121,7 +121,7 @@ def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
     convs = chitchat_conversations()
     if cfg.train_prompts + cfg.eval_prompts > len(convs):
-        from dflash.config import ConfigError
+        from dflash.core.config import ConfigError
 
         raise ConfigError(f"--train-prompts {cfg.train_prompts} + --eval-prompts {cfg.eval_prompts}: chitchat has only "
                           f"{len(convs)} usable conversations")
@@ -144,7 +144,7 @@ def _human_bytes(n: float) -> str:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """The recipe cfg.recipe resolves to: the GPU one (dflash/demo_gpu.py) or the CPU one (below)."""
     if cfg.resolved_recipe() == "gpu":
-        from dflash.config import ConfigError
+        from dflash.core.config import ConfigError
         from dflash.demo_gpu import PRESET, run_gpu_demo
 
         if cfg.train_prompts is not None:
@@ -157,7 +157,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         return run_gpu_demo(cfg.workdir or "work/demo-gpu", cfg.config or PRESET, cfg.device, cfg.progress,
                             train_overrides=overrides, eval_prompts=cfg.eval_prompts)
     if cfg.config is not None:
-        from dflash.config import ConfigError
+        from dflash.core.config import ConfigError
 
         raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
     return run_cpu_demo(cfg.cpu())
@@ -165,10 +165,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
     import dflash_cache
-    from extract.run import ExtractConfig, run_extract
-    from extract.target import convert_gguf
-    from train.eval import EvalConfig, format_report, run_eval
-    from train.trainer import TrainConfig, run_train
+    from dflash.extract.run import ExtractConfig, run_extract
+    from dflash.core.target import convert_gguf
+    from dflash.train.eval import EvalConfig, format_report, run_eval
+    from dflash.train.trainer import TrainConfig, run_train
 
     os.makedirs(cfg.workdir, exist_ok=True)
     timings: dict[str, float] = {}
@@ -237,7 +237,7 @@ def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def _regenerate(cfg: DemoConfig, target: str, data: str) -> str:
-    from extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
 
     out = os.path.join(cfg.workdir, "regenerated")
     run_regenerate(RegenerateConfig(target=target, data=data, out=out, max_new_tokens=cfg.regen_max_new_tokens,

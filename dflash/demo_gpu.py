@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash.config import check
+from dflash.core.config import check
 
 PRESET = "demo-gpu"
 
@@ -197,13 +197,13 @@ class Prepared:
 
 
 def load_recipe(preset: str = PRESET) -> GpuRecipe:
-    from dflash.config import read_preset
+    from dflash.core.config import read_preset
 
     fields = read_preset(preset, "recipe")
     known = set(GpuRecipe.__dataclass_fields__)
     bad = sorted(set(fields) - known)
     if bad:
-        from dflash.config import ConfigError
+        from dflash.core.config import ConfigError
 
         raise ConfigError(f"--config: unknown key {bad[0]!r} in the recipe section of {preset} "
                           f"(known: {', '.join(sorted(known))})")
@@ -214,9 +214,9 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
             target: str | None = None) -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
     target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape)."""
-    from dflash.config import build
-    from extract.regenerate import RegenerateConfig, run_regenerate
-    from extract.run import ExtractConfig, run_extract
+    from dflash.core.config import build
+    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.run import ExtractConfig, run_extract
 
     recipe = load_recipe(preset)
     os.makedirs(workdir, exist_ok=True)
@@ -227,7 +227,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
         if not (os.path.exists(os.path.join(target, "config.json"))
                 and os.path.exists(os.path.join(target, "tokenizer_config.json"))):  # converted once, then reused
             from dflash.demo import smollm2_gguf
-            from extract.target import convert_gguf
+            from dflash.core.target import convert_gguf
 
             target = convert_gguf(smollm2_gguf(), target)
     timings["prepare target"] = time.perf_counter() - t
@@ -262,9 +262,9 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     reused when newer than RUN/final; eval_tag names variants, e.g. eval-bfloat16-graph.json); n-gram lookup runs
     in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph).
     Returns {"train": summary, "eval": {dtype: report}}."""
-    from dflash.config import build
-    from train.eval import EvalConfig, run_eval
-    from train.trainer import TrainConfig, run_train
+    from dflash.core.config import build
+    from dflash.train.eval import EvalConfig, run_eval
+    from dflash.train.trainer import TrainConfig, run_train
 
     recipe = load_recipe(preset)
     timings = timings if timings is not None else {}
@@ -307,7 +307,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
                  target: str | None = None, train_overrides: dict | None = None,
                  eval_prompts: int | None = None) -> dict[str, Any]:
     """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json."""
-    from train.eval import format_report
+    from dflash.train.eval import format_report
 
     t0 = time.perf_counter()
     prep = prepare(workdir, preset, device, progress, target)
@@ -340,7 +340,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         "timings_s": timings,
         "wall_s": time.perf_counter() - t0,
     }
-    from dflash.dist import atomic_json
+    from dflash.core.dist import atomic_json
 
     atomic_json(os.path.join(workdir, "summary.json"), summary)
     print()

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .target import TargetError, text_config
+from dflash.core.target import TargetError, text_config
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -33,9 +33,10 @@ from typing import Any
 
 import torch
 
-from dflash.config import ConfigError, check
+from dflash.core.config import ConfigError, check
 
-from .data import ChatTokenizer, DataError, load_chat_dataset, to_messages, tokenizer_fingerprint
+from .data import ChatTokenizer, tokenizer_fingerprint
+from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
     Engine,
     Request,
@@ -50,7 +51,7 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
     slab_cache,
     uniforms,
 )
-from .target import load_causal_lm, load_config, load_tokenizer, target_info
+from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
@@ -320,8 +321,8 @@ def finalize(out: str, meta: dict) -> dict | None:
 
 
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
-    from dflash.dist import compute_init
-    from dflash.paths import output_lock
+    from dflash.core.dist import compute_init
+    from dflash.core.paths import output_lock
 
     dist = compute_init(cfg.device)
     with output_lock(cfg.out, "regenerate", dist.is_main, precheck=check_out):  # one writer per OUT
@@ -329,8 +330,8 @@ def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
 
 
 def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
-    from dflash import progress
-    from dflash.dist import barrier, print0, resolve_dtype
+    from dflash.core import progress
+    from dflash.core.dist import barrier, print0, resolve_dtype
 
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)

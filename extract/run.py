@@ -26,29 +26,19 @@ import numpy as np
 import torch
 
 import dflash_cache
-from dflash import progress
-from dflash.config import check
-from dflash.dist import barrier, compute_init, print0, resolve_dtype
-from dflash.paths import output_lock
+from dflash.core import progress
+from dflash.core.config import check
+from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.core.paths import output_lock
 from dflash_cache import CacheSpec, CacheWriter, quant
 
 from .assign import assign_shards, shard_real_tokens, writer_threads_per_rank
-from .data import (
-    ChatTokenizer,
-    data_fingerprint,
-    load_chat_dataset,
-    tokenizer_fingerprint,
-)
+from .data import ChatTokenizer, data_fingerprint, tokenizer_fingerprint
+from dflash.core.chat import load_chat_dataset
 from .pack import materialize, pack, pack_stats
-from .target import (
-    PackedTarget,
-    TargetError,
-    load_config,
-    load_tokenizer,
-    target_info,
-    text_config,
-    validate_layer_ids,
-)
+from .target import PackedTarget
+from dflash.core.target import TargetError, load_config, load_tokenizer, target_info, text_config
+from dflash.core.target import validate_layer_ids
 from .tokenize_cache import tokenize_cached
 
 
@@ -134,7 +124,7 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     if cfg.layers is not None:
         layer_ids = validate_layer_ids(cfg.layers, tc.num_hidden_layers, cfg.target)
     else:
-        from train.model import default_layer_ids
+        from dflash.core.layers import default_layer_ids
 
         L, K = tc.num_hidden_layers, cfg.num_context_layers
         if K is not None and K > max(1, L - 3):
@@ -249,7 +239,7 @@ def _weights_record(cfg: ExtractConfig, tc) -> dict | None:
     """The content fingerprint of the target's weights for the cache's root (info.weights), checked against the
     existing cache on resume: other weights are an error naming the tensor. None for a cache written before
     fingerprints were recorded (resumed without the check, with a note)."""
-    from dflash.weights import compare_full, fingerprint
+    from dflash.core.weights import compare_full, fingerprint
     from dflash_cache.store import Store
     from dflash_cache.writer import existing_root
 

@@ -200,7 +200,7 @@ def tokenize_cached(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, cach
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if dist is not None and dist.distributed:
-        from dflash.dist import barrier
+        from dflash.core.dist import barrier
 
         barrier()
     data = _load(final)

@@ -16,8 +16,8 @@ import random
 import numpy as np
 import pytest
 
-from extract.assign import assign_shards, shard_real_tokens, writer_threads_per_rank
-from extract.pack import pack
+from dflash.extract.assign import assign_shards, shard_real_tokens, writer_threads_per_rank
+from dflash.extract.pack import pack
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 5, 8])

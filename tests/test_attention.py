@@ -13,8 +13,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from train.attention import _key_ranges, _chunk_attention, split_block_attention, split_mask
-from train.model import DFlashDrafter, DrafterConfig, attend, dense_block_mask, make_blocks
+from dflash.train.attention import _key_ranges, _chunk_attention, split_block_attention, split_mask
+from dflash.train.model import DFlashDrafter, DrafterConfig, attend, dense_block_mask, make_blocks
 
 
 def _rows(R, T, doc_lens, seed, pad_row=False, starts=False):

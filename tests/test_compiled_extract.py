@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import dflash_cache
-import extract.compiled as ec
-from extract.run import ExtractConfig, run_extract
-from extract.target import PackedTarget
+import dflash.extract.compiled as ec
+from dflash.extract.run import ExtractConfig, run_extract
+from dflash.extract.target import PackedTarget
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 

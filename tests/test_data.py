@@ -9,17 +9,15 @@ import os
 import numpy as np
 import pytest
 
-from extract.data import (
+from dflash.extract.data import (
     ChatTokenizer,
-    DataError,
     TokenizedData,
     chat_template_fingerprint,
     data_fingerprint,
-    load_chat_dataset,
-    to_messages,
     tokenize_dataset,
     tokenizer_fingerprint,
 )
+from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from tests.tiny import (
     SMOLLM2_CHAT_TEMPLATE,
     chat_rows,

@@ -27,11 +27,11 @@ import torch
 from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
-from extract.target import load_causal_lm, load_tokenizer
+from dflash.core.target import load_causal_lm, load_tokenizer
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
-from train.eval import DFlashProposer, NgramProposer, Target, greedy, speculative
-from train.model import DFlashDrafter, DrafterConfig, load_drafter
+from dflash.train.eval import DFlashProposer, NgramProposer, Target, greedy, speculative
+from dflash.train.model import DFlashDrafter, DrafterConfig, load_drafter
 
 BLOCK = 4
 LAYERS = [1, 2, 3]

@@ -103,11 +103,11 @@ def test_eval_prompts_take_later_turns_in_later_rounds():
 
 
 def test_the_preset_builds_every_stage_config():
-    from dflash.config import build
-    from extract.regenerate import RegenerateConfig
-    from extract.run import ExtractConfig
-    from train.eval import EvalConfig
-    from train.trainer import TrainConfig
+    from dflash.core.config import build
+    from dflash.extract.regenerate import RegenerateConfig
+    from dflash.extract.run import ExtractConfig
+    from dflash.train.eval import EvalConfig
+    from dflash.train.trainer import TrainConfig
 
     r = load_recipe("demo-gpu")
     assert r.eval_dtypes[0] == "bfloat16" and "float32" in r.eval_dtypes

@@ -11,17 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
 
-from train.eval import (  # noqa: E402
-    Decode,
-    DFlashProposer,
-    NgramProposer,
-    Target,
-    crop_cache,
-    greedy,
-    speculative,
-    summarize,
-)
-from train.model import DFlashDrafter, DrafterConfig, save_drafter  # noqa: E402
+from dflash.train.eval import Decode, DFlashProposer, NgramProposer, Target, crop_cache, greedy, speculative, summarize
+from dflash.train.model import DFlashDrafter, DrafterConfig, save_drafter  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -33,7 +24,7 @@ def target_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def model(target_dir):
-    from extract.target import load_causal_lm
+    from dflash.core.target import load_causal_lm
 
     return load_causal_lm(target_dir, dtype=torch.float32)
 
@@ -192,7 +183,7 @@ def test_target_alone_runs_the_same_loop_and_matches_an_independent_greedy_decod
 
 
 def test_differences_are_classified_by_the_margin_at_the_first_differing_token():
-    from train.eval import classify_differences
+    from dflash.train.eval import classify_differences
 
     ref = [Decode([1, 2, 3], margins=[5.0, 0.1, 4.0]), Decode([1, 2, 3], margins=[5.0, 6.0, 4.0]),
            Decode([7, 7], margins=[1.0, 1.0])]
@@ -205,7 +196,7 @@ def test_differences_are_classified_by_the_margin_at_the_first_differing_token()
 
 
 def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
-    from train.eval import prompt_messages
+    from dflash.train.eval import prompt_messages
 
     u1, a1, u2 = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                   {"role": "user", "content": "how are you"})
@@ -218,7 +209,7 @@ def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
 def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
     """StaticDraft (fixed shapes: the whole context cache under a mask; a CUDA graph on a GPU) drafts what
     draft_block drafts, and a proposer using it reuses one cache across prompts without leaking context."""
-    from train.eval import StaticDraft
+    from dflash.train.eval import StaticDraft
 
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(model.config, num_layers=2, layer_ids=[1, 3], block_size=5,

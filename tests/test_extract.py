@@ -33,17 +33,12 @@ import torch
 
 import dflash_cache
 from dflash_cache.format import ARRAYS, shard_key
-from extract.assign import assign_shards
-from extract.data import ChatTokenizer, data_fingerprint, load_chat_dataset, tokenize_dataset
-from extract.pack import materialize, pack
-from extract.target import (
-    PackedTarget,
-    convert_gguf,
-    decoder_layers,
-    load_causal_lm,
-    load_tokenizer,
-    packed_causal_mask,
-)
+from dflash.extract.assign import assign_shards
+from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenize_dataset
+from dflash.core.chat import load_chat_dataset
+from dflash.extract.pack import materialize, pack
+from dflash.extract.target import PackedTarget, packed_causal_mask
+from dflash.core.target import convert_gguf, decoder_layers, load_causal_lm, load_tokenizer
 from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer, write_jsonl
 
 PY = sys.executable

@@ -30,7 +30,7 @@ def _cli(*args, env=None):
 
 
 def test_flex_drafter_matches_sdpa_with_gradients():
-    from train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.model import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig.named("tiny", block_size=8)

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from train.model import DFlashDrafter, DrafterConfig, slot_weights
+from dflash.train.model import DFlashDrafter, DrafterConfig, slot_weights
 
 B = 8
 

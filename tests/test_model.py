@@ -5,11 +5,10 @@ import json
 import pytest
 import torch
 
-from train.model import (
+from dflash.train.model import (
     DFlashDrafter,
     DrafterConfig,
     block_loss,
-    default_layer_ids,
     dense_block_mask,
     document_positions,
     load_drafter,
@@ -18,6 +17,7 @@ from train.model import (
     save_drafter,
     slot_weights,
 )
+from dflash.core.layers import default_layer_ids
 
 T = 96
 
@@ -113,7 +113,7 @@ def test_opaque_make_blocks_equals_make_blocks_eager_and_compiled():
     op's own checks (schema, fake tensors, no aliasing)."""
     from dataclasses import fields
 
-    from train.model import Blocks
+    from dflash.train.model import Blocks
 
     hidden, ids, lm, doc, scores = batch()
     args = (ids, lm, doc, scores, 12, 4, 511)
@@ -183,7 +183,7 @@ def test_blocks_are_isolated_behaviourally():
 
 def _packed_logits(m, hidden, ids, lm, doc, scores, N):
     """The packed forward's logits (same code path as forward_train, before the loss)."""
-    from train.model import rope_cos_sin
+    from dflash.train.model import rope_cos_sin
 
     cfg, R = m.cfg, ids.shape[0]
     B = cfg.block_size
@@ -235,7 +235,7 @@ def test_sliding_window_layers_match_single_blocks():
     b = make_blocks(ids, lm, doc, scores, N, B, m.cfg.mask_token_id)
     with torch.no_grad():
         _, met = m.forward_train(hidden, ids, lm, doc, scores, N)
-        from train.model import rope_cos_sin
+        from dflash.train.model import rope_cos_sin
 
         R = 2
         ctx = m.fuse_context(hidden)
@@ -260,7 +260,7 @@ def test_loss_weights_and_metrics_by_hand():
     w = slot_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
     # one block of B=4 (3 predicted slots); correct, correct, wrong -> accepted 2 -> tau 3
-    from train.model import Blocks
+    from dflash.train.model import Blocks
 
     V = 5
     labels = torch.tensor([[[0, 1, 2, 3]]])
@@ -353,7 +353,7 @@ def test_save_load_round_trip_and_servable_layout(tmp_path):
 
 def test_chunked_loss_equals_full_logits_reference():
     """The chunked linear-CE (no [slots, vocab] tensor) gives the reference loss, gradients and metrics."""
-    import train.model as tm
+    import dflash.train.model as tm
 
     m = tiny()
     hidden, ids, lm, doc, scores = batch()
@@ -385,7 +385,7 @@ def test_rope_frequencies_stay_float32_in_a_bf16_drafter():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from train.model import rope_cos_sin, rope_inv_freq
+    from dflash.train.model import rope_cos_sin, rope_inv_freq
 
     cfg = DrafterConfig.named("tiny", rope_theta=1_000_000.0)
     m = DFlashDrafter(cfg).to(torch.bfloat16)

@@ -7,7 +7,7 @@ import time
 import numpy as np
 import pytest
 
-from extract.pack import PackStats, materialize, pack, pack_stats
+from dflash.extract.pack import PackStats, materialize, pack, pack_stats
 
 
 def reference_best_fit(lengths, seq_len):

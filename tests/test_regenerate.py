@@ -17,9 +17,9 @@ import torch
 
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
-from dflash.config import ConfigError
-from extract.data import DataError, load_chat_dataset
-from extract.regenerate import (
+from dflash.core.config import ConfigError
+from dflash.core.chat import DataError, load_chat_dataset
+from dflash.extract.regenerate import (
     META_NAME,
     Engine,
     RegenerateConfig,
@@ -31,7 +31,7 @@ from extract.regenerate import (
     sample,
     uniforms,
 )
-from extract.target import TargetError, load_causal_lm, load_tokenizer
+from dflash.core.target import TargetError, load_causal_lm, load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -31,11 +31,12 @@ from click.testing import CliRunner
 
 import dflash_cache
 from dflash.cli import main as cli_main
-from extract.target import PackedTarget, load_causal_lm, load_tokenizer
+from dflash.extract.target import PackedTarget
+from dflash.core.target import load_causal_lm, load_tokenizer
 from tests.tiny import _text, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
-from train.eval import DFlashProposer, Target, crop_cache, speculative
-from train.model import DFlashDrafter, DrafterConfig, slot_weights
+from dflash.train.eval import DFlashProposer, Target, crop_cache, speculative
+from dflash.train.model import DFlashDrafter, DrafterConfig, slot_weights
 
 BLOCK = 4
 

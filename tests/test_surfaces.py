@@ -28,8 +28,8 @@ from click.testing import CliRunner
 import dflash_cache
 from dflash.cli import argv_without_gpus
 from dflash.cli import main as cli_main
-from dflash.config import CONFIG_DIR, ConfigError, build
-from dflash.dist import torchrun_command
+from dflash.core.config import ConfigError, build, presets
+from dflash.core.dist import torchrun_command
 from dflash_cache import CacheCorruptError
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
@@ -51,10 +51,10 @@ def _env(**extra) -> dict[str, str]:
 
 
 def _sections():
-    from extract.regenerate import RegenerateConfig
-    from extract.run import ExtractConfig
-    from train.eval import EvalConfig
-    from train.trainer import TrainConfig
+    from dflash.extract.regenerate import RegenerateConfig
+    from dflash.extract.run import ExtractConfig
+    from dflash.train.eval import EvalConfig
+    from dflash.train.trainer import TrainConfig
 
     # section -> (config class, the required settings a preset leaves to the command line)
     return {
@@ -65,7 +65,7 @@ def _sections():
     }
 
 
-PRESETS = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+PRESETS = sorted(presets())
 
 
 def test_the_shipped_presets_are_the_known_ones():
@@ -74,7 +74,7 @@ def test_the_shipped_presets_are_the_known_ones():
 
 @pytest.mark.parametrize("name", PRESETS)
 def test_every_preset_builds_every_section(name):
-    with open(os.path.join(CONFIG_DIR, name + ".yaml")) as f:
+    with presets()[name].open() as f:
         doc = yaml.safe_load(f)
     sections = _sections()
     assert isinstance(doc, dict) and doc, name
@@ -133,7 +133,7 @@ def _snapshot(out: Path) -> dict[str, str]:
 
 
 def test_regenerate_on_two_ranks_writes_what_one_process_writes(tiny_target, tmp_path):
-    from extract.regenerate import RegenerateConfig, read_meta, run_regenerate
+    from dflash.extract.regenerate import RegenerateConfig, read_meta, run_regenerate
 
     data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(10, seed=4, turns=(1, 2)))
     flags = {"max_new_tokens": 8, "part_size": 2, "batch_size": 3, "temperature": 0.9, "seed": 5}

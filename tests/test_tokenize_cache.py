@@ -13,9 +13,10 @@ import os
 import numpy as np
 import pytest
 
-import extract.tokenize_cache as tc
-from extract.data import ChatTokenizer, DataError, data_fingerprint, load_chat_dataset, tokenize_dataset
-from extract.pack import pack
+import dflash.extract.tokenize_cache as tc
+from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenize_dataset
+from dflash.core.chat import DataError, load_chat_dataset
+from dflash.extract.pack import pack
 from tests.tiny import chat_rows, make_tiny_tokenizer, write_jsonl
 
 

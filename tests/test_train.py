@@ -40,10 +40,10 @@ from click.testing import CliRunner
 
 import dflash_cache
 from dflash.cli import main as cli_main
-from dflash.config import ConfigError
+from dflash.core.config import ConfigError
 from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, write_jsonl
-from train.model import load_drafter
-from train.trainer import TrainConfig, lr_at, resolve_mask_token_id
+from dflash.train.model import load_drafter
+from dflash.train.trainer import TrainConfig, lr_at, resolve_mask_token_id
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -237,10 +237,10 @@ def test_compiled_matches_eager_with_no_recompiles(env, tmp_path):
 def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypatch):
     """What the 8B shape has and the run above lacks: bf16 weights, an untied LM head, GQA 4:1, B = 16 and a
     cross-entropy over several chunks (forced to 256 slots each). Eager and compiled agree on CPU."""
-    import train.model as model
+    import dflash.train.model as model
     from bench.common import random_target_dir
     from bench.train import synthetic_cache
-    from train.trainer import Trainer, TrainConfig
+    from dflash.train.trainer import Trainer, TrainConfig
 
     monkeypatch.setattr(model, "ce_chunk", lambda vocab, budget_bytes=0: 256)  # 2 rows x 32 anchors x 15 slots: 4 chunks
     shape = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -268,7 +268,7 @@ def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypat
 def test_a_compiled_step_that_disagrees_with_eager_is_replaced_by_the_eager_one(env, tmp_path, capsys):
     """The first-batch check catches a compiled step whose gradients are wrong (here: its loss scaled by 1.3, as a
     faulty graph would do) and the run continues eagerly: the same trajectory as an eager run, said out loud."""
-    from train.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     cache, target = env["cache"], env["target"]
     common = dict(cache=str(cache), target=str(target), drafter_layers=1, block_size=4, num_anchors=16, batch_rows=2,
@@ -295,7 +295,7 @@ def test_a_compiled_step_that_disagrees_with_eager_is_replaced_by_the_eager_one(
 
 def test_no_compile_check_flag(env, tmp_path):
     """--no-compile-check skips the check (the summary says so) and is part of `dflash train --help`."""
-    from train.trainer import Trainer
+    from dflash.train.trainer import Trainer
 
     p = dflash("train", "--help")
     assert "--no-compile-check" in p.stdout

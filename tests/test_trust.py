@@ -155,7 +155,7 @@ def test_fingerprint_digests_are_those_of_the_tensor_bytes(env, monkeypatch, tmp
 
     from safetensors.numpy import load_file, save_file
 
-    import dflash.weights as W
+    import dflash.core.weights as W
 
     monkeypatch.setattr(W, "PIECE", 1024)
     src = Path(env["target"]) / "model.safetensors"
@@ -190,7 +190,7 @@ def test_gguf_target_gets_per_tensor_digests(tmp_path):
     """GGUF: the same per-tensor content digests, located by the gguf reader's tensor offsets."""
     import gguf
 
-    from dflash.weights import fingerprint
+    from dflash.core.weights import fingerprint
 
     def write(path, emb):
         w = gguf.GGUFWriter(str(path), "llama")
@@ -217,7 +217,7 @@ def test_gguf_target_gets_per_tensor_digests(tmp_path):
 
 
 def test_cache_records_the_fingerprint(env):
-    from dflash.weights import fingerprint
+    from dflash.core.weights import fingerprint
 
     meta = dflash_cache.open(str(env["cache"])).metadata
     assert meta["info"]["weights"] == fingerprint(env["target"]).as_dict()
@@ -226,7 +226,7 @@ def test_cache_records_the_fingerprint(env):
 def test_train_refuses_a_target_with_other_weights(env, tmp_path):
     """Before: B has the config, file names and sizes of A (so the old names+sizes "hash" matched) and
     `train --cache C(A) --target B` trained and exited 0. Now: one line naming the cache, the target and the tensor."""
-    from extract.target import target_info
+    from dflash.core.target import target_info
 
     ia, ib = target_info(env["target"]), target_info(env["other"])
     assert ia.config_hash == ib.config_hash and ia.weights_hash == ib.weights_hash  # what fooled the old check
@@ -491,12 +491,12 @@ def test_json_output_checked_before_the_work(env, tmp_path, where):
 
 def test_unexpected_exceptions_keep_their_traceback(env, tmp_path, monkeypatch):
     """Only known errors become one line: a bug still shows where it is."""
-    import train.trainer
+    import dflash.train.trainer
 
     def boom(cfg):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(train.trainer, "run_train", boom)
+    monkeypatch.setattr(dflash.train.trainer, "run_train", boom)
     r = CliRunner().invoke(cli_main, [str(a) for a in train_args(env, tmp_path / "r")])
     assert isinstance(r.exception, KeyError)
 

@@ -44,8 +44,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.errors import DflashError
-from train.attention import split_block_attention, split_mask
+from dflash.core.errors import DflashError
+from dflash.core.layers import default_layer_ids
+from dflash.train.attention import split_block_attention, split_mask
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -54,21 +55,6 @@ from train.attention import split_block_attention, split_mask
 
 class DrafterError(DflashError, ValueError):
     """A drafter config, checkpoint or target head that cannot be used (one `error:` line in the CLI)."""
-
-
-def default_layer_ids(num_target_layers: int, k: int = 5) -> list[int]:
-    """K target layer ids spread uniformly from 1 to L-3 (36 layers, K=5 -> [1, 9, 17, 25, 33]).
-
-    A target too shallow for K distinct ids in that range gets every layer of the range instead."""
-    if k == 1:
-        return [num_target_layers // 2]
-    start, end = 1, num_target_layers - 3
-    if end < start:
-        raise DrafterError(f"a target with {num_target_layers} layers is too shallow for the default layer rule; pass layer ids")
-    k = min(k, end - start + 1)
-    if k == 1:
-        return [start]
-    return [int(round(start + i * (end - start) / (k - 1))) for i in range(k)]
 
 
 @dataclass

@@ -32,10 +32,10 @@ from typing import Any
 import torch
 
 import dflash_cache
-from dflash import progress
-from dflash.config import ConfigError, check
-from dflash.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
-from dflash.errors import DflashError
+from dflash.core import progress
+from dflash.core.config import ConfigError, check
+from dflash.core.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
+from dflash.core.errors import DflashError
 
 from .model import DFlashDrafter, DrafterConfig, save_drafter
 
@@ -139,7 +139,7 @@ IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", 
 
 def load_target_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding weight, LM head weight) of the target, reading only those tensors when possible."""
-    from extract.target import load_causal_lm, load_config, resolve_target, text_config
+    from dflash.core.target import load_causal_lm, load_config, resolve_target, text_config
 
     d, gguf = resolve_target(path)
     cfg = text_config(load_config(path))
@@ -247,7 +247,7 @@ def _describe_dir(out: str, entries: list[str]) -> str:
 def check_out_path(cfg: TrainConfig) -> None:
     """Before anything is written: --out may be a new or empty directory or a dflash train run directory, never
     a file, a user's folder, a cache, nor anything holding or inside the cache this run reads."""
-    from dflash.paths import check_output_dir, inside, is_url
+    from dflash.core.paths import check_output_dir, inside, is_url
     from dflash_cache.lock import LOCK_NAME
 
     check_output_dir(cfg.out, "out")
@@ -433,7 +433,7 @@ class Trainer:
                               "use --attn split (the default there) or sdpa")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.cuda)
 
-        from extract.target import load_config, load_tokenizer, target_info, text_config
+        from dflash.core.target import load_config, load_tokenizer, target_info, text_config
 
         hf = load_config(cfg.target)
         tc = text_config(hf)
@@ -445,7 +445,7 @@ class Trainer:
             raise TrainError(f"the cache does not belong to --target {cfg.target}: {e}") from e
         cache = self.cache
         if self.dist.is_main:  # the embedding and LM head this run takes from --target: the cache's own?
-            from dflash.weights import check_roles
+            from dflash.core.weights import check_roles
 
             note = check_roles(cache.metadata.get("info", {}).get("weights"), cfg.target, cfg.cache,
                                tied=bool(getattr(tc, "tie_word_embeddings", False)))
@@ -819,7 +819,7 @@ def _compile_count() -> int:
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """The command; rank 0 of the job holds the lock of --out throughout (one writer per run directory)."""
-    from dflash.paths import output_lock
+    from dflash.core.paths import output_lock
 
     with output_lock(cfg.out, "train", int(os.environ.get("RANK", 0)) == 0, precheck=lambda _: check_out_path(cfg)):
         return _run_train(cfg)

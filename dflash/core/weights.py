@@ -33,7 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from dflash.errors import DflashError
+from dflash.core.errors import DflashError
 
 SCHEME = "sha256-tree-16MiB-v1"
 PIECE = 16 << 20

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from dflash.config import ConfigError, flag
+from dflash.core.config import ConfigError, flag
 
 
 def is_url(path: str) -> bool:

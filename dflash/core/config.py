@@ -5,22 +5,23 @@ A preset is a YAML file with one section per command:
     extract: {seq_len: 4096, layers: auto}
     train:   {drafter_layers: 5, lr: 6.0e-4}
 
-`--config NAME` takes a path, or the name of a file in the repository's configs/ folder.
+`--config NAME` takes a path, or the name of a preset in the configs/ folder, which ships inside the package
+as `dflash.configs` (read through importlib.resources: it works from a checkout, an editable install and a wheel).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from importlib import resources
 from typing import Any, TypeVar
 
 import yaml
 
-from dflash.errors import DflashError
+from dflash.core.errors import DflashError
 
 C = TypeVar("C")
 
-CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs")
 
 
 class ConfigError(DflashError, ValueError):
@@ -31,21 +32,27 @@ def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def resolve_preset(name: str) -> str:
+def presets() -> dict[str, resources.abc.Traversable]:
+    """name -> file of every preset shipped in dflash.configs (configs/*.yaml)."""
+    return {f.name[:-5]: f for f in resources.files("dflash.configs").iterdir() if f.name.endswith(".yaml")}
+
+
+def resolve_preset(name: str):
+    """A path given with --config, or the packaged preset of that name (with or without .yaml)."""
     if os.path.exists(name):
         return name
-    for cand in (os.path.join(CONFIG_DIR, name), os.path.join(CONFIG_DIR, name + ".yaml")):
-        if os.path.exists(cand):
-            return cand
-    known = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
-    raise ConfigError(f"--config: no file {name!r} (presets: {', '.join(known) or 'none'})")
+    shipped = presets()
+    stem = name[:-5] if name.endswith(".yaml") else name
+    if stem in shipped:
+        return shipped[stem]
+    raise ConfigError(f"--config: no file {name!r} (presets: {', '.join(sorted(shipped)) or 'none'})")
 
 
 def read_preset(name: str | None, section: str) -> dict[str, Any]:
     if not name:
         return {}
     path = resolve_preset(name)
-    with open(path) as f:
+    with (open(path) if isinstance(path, str) else path.open()) as f:
         doc = yaml.safe_load(f) or {}
     if not isinstance(doc, dict):
         raise ConfigError(f"--config: {path} must hold a mapping of sections")

@@ -30,7 +30,7 @@ def under_torchrun() -> bool:
 
 def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
     """--device: auto, cpu, cuda or cuda:N, checked against this machine (an error naming the flag)."""
-    from dflash.config import ConfigError
+    from dflash.core.config import ConfigError
 
     if device in (None, "auto"):
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
@@ -52,7 +52,7 @@ def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
 
 def check_gpu_ids(ids: list[str]) -> None:
     """--gpus: ids that exist on this machine (torchrun would otherwise train on the CPU without a word)."""
-    from dflash.config import ConfigError
+    from dflash.core.config import ConfigError
 
     if not torch.cuda.is_available():
         raise ConfigError(f"--gpus {','.join(ids)}: this machine has no usable CUDA device; "
@@ -134,7 +134,7 @@ def torchrun_command(module: str, argv: list[str], gpus: str, environ) -> tuple[
     the GPUs exist is check_gpu_ids' business."""
     import sys
 
-    from dflash.config import ConfigError
+    from dflash.core.config import ConfigError
 
     ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not ids or not all(g.isdigit() for g in ids):

@@ -1,0 +1,1 @@
+"""dflash.configs: the YAML presets (`--config NAME`), shipped as package data and read with importlib.resources."""

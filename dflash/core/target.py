@@ -1,0 +1,233 @@
+"""The frozen target, as both stages load it: Hugging Face directory or GGUF file, config, tokenizer, layers.
+
+resolve_target/load_config/load_tokenizer/load_causal_lm load a target (optionally cut after its first
+`num_layers` decoder layers, without the LM head); decoder_layers finds a model's decoder stack and
+LayerCapture hooks K of its layers so they write straight into one preallocated [..., K*H] buffer.
+Layer id i is the output of decoder layer i, i.e. HF's `hidden_states[i + 1]` (for the model's very last
+layer HF applies the final norm, and so do we). target_info and the fingerprints identify a target in a
+cache's metadata; convert_gguf dequantises a GGUF model once into a save_pretrained folder.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from dflash.core.errors import DflashError
+
+log = logging.getLogger(__name__)
+
+
+class TargetError(DflashError):
+    """A target model that cannot be used, with the reason and the path."""
+
+
+def resolve_target(path: str) -> tuple[str, str | None]:
+    """(directory, gguf file name or None) for a model directory, a .gguf file or a dir holding one."""
+    if not os.path.exists(path):
+        raise TargetError(f"target model not found: {path} does not exist (a local HF model directory or a .gguf file)")
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise TargetError(f"target {path} is a file but not a .gguf file")
+        return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path, None
+    ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
+    if len(ggufs) == 1:
+        return path, os.path.basename(ggufs[0])
+    raise TargetError(f"target {path} is not a model directory: no config.json"
+                      + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else ""))
+
+
+def load_config(path: str):
+    from transformers import AutoConfig
+
+    d, gguf = resolve_target(path)
+    try:
+        return AutoConfig.from_pretrained(d, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(d)
+    except Exception as e:  # noqa: BLE001
+        raise TargetError(f"cannot read the model config of {path}: {e}") from e
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+
+    d, gguf = resolve_target(path)
+    try:
+        return AutoTokenizer.from_pretrained(d, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(d)
+    except Exception as e:  # noqa: BLE001
+        raise TargetError(f"cannot load the tokenizer of {path}: {e}") from e
+
+
+def text_config(cfg):
+    return getattr(cfg, "text_config", None) or cfg
+
+
+def config_fingerprint(cfg) -> str:
+    d = text_config(cfg).to_dict()
+    for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
+              "attn_implementation", "_attn_implementation"):
+        d.pop(k, None)
+    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def weights_fingerprint(path: str) -> str:
+    """Cheap identity of the weight files: names and sizes. Not proof of the same weights (a fine-tune has the same
+    names and sizes): the content fingerprint is dflash.weights, recorded in a cache as info.weights."""
+    d, gguf = resolve_target(path)
+    files = [gguf] if gguf else sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".bin", ".pt")))
+    return hashlib.sha256(json.dumps([(f, os.path.getsize(os.path.join(d, f))) for f in files]).encode()).hexdigest()[:16]
+
+
+def _truncated_config(cfg, num_layers: int):
+    cfg = type(cfg).from_dict(cfg.to_dict())
+    c = text_config(cfg)
+    c.num_hidden_layers = num_layers
+    if getattr(c, "layer_types", None):
+        c.layer_types = list(c.layer_types)[:num_layers]
+    return cfg
+
+
+def _quiet_transformers():
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def load_gguf_state(gguf_path: str, model) -> dict[str, torch.Tensor]:
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    out = load_gguf_checkpoint(gguf_path, return_tensors=True, model_to_load=model)
+    return {k: torch.as_tensor(v) for k, v in out["tensors"].items()}
+
+
+def load_causal_lm(path: str, *, device="cpu", dtype=torch.float32, attn_impl: str = "sdpa",
+                   num_layers: int | None = None, with_head: bool = True):
+    """An HF model from a directory or GGUF file, optionally cut after `num_layers` decoder layers.
+
+    with_head=False returns the base model (no LM head). GGUF weights are dequantized in memory
+    (slow for big models: convert once with `convert_gguf`).
+    """
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    _quiet_transformers()
+    d, gguf = resolve_target(path)
+    cfg = load_config(path)
+    if num_layers is not None:
+        cfg = _truncated_config(cfg, num_layers)
+    cls = AutoModelForCausalLM if with_head else AutoModel
+    try:
+        if gguf is None:
+            model = cls.from_pretrained(d, config=cfg, dtype=dtype, attn_implementation=attn_impl)
+        else:
+            model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_impl)
+            state = load_gguf_state(os.path.join(d, gguf), model)
+            missing, _ = model.load_state_dict(state, strict=False)
+            model.tie_weights()
+            missing = [k for k in missing if not (k == "lm_head.weight" and text_config(cfg).tie_word_embeddings)]
+            if missing:
+                raise TargetError(f"GGUF {gguf} lacks weights {missing[:5]}")
+            if not with_head:
+                model = model.model
+            model = model.to(dtype)
+    except TargetError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise TargetError(f"cannot load the target model {path}: {e}") from e
+    return model.to(device).eval().requires_grad_(False)
+
+
+def convert_gguf(gguf_path: str, out_dir: str, dtype=torch.bfloat16) -> str:
+    """Dequantize a GGUF model once into a plain `save_pretrained` folder (later loads take ~1 s)."""
+    if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer_config.json")):
+        return out_dir
+    tmp = out_dir.rstrip("/") + ".partial"
+    model = load_causal_lm(gguf_path, dtype=dtype)
+    tok = load_tokenizer(gguf_path)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    if os.path.exists(out_dir):
+        import shutil
+
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    base = getattr(model, "model", model)
+    for attr in ("layers", "h", "decoder.layers"):
+        obj = base
+        for part in attr.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, torch.nn.ModuleList):
+            return obj
+    raise TargetError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int, name: str = "target") -> list[int]:
+    ids = [int(i) for i in layer_ids]
+    if not ids:
+        raise TargetError("--layers: no layer ids given")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise TargetError(f"--layers: layer id {bad[0]} is out of range for {name} with {num_layers} layers (valid 0..{num_layers - 1})")
+    if len(set(ids)) != len(ids):
+        raise TargetError(f"--layers: duplicate layer ids in {ids}")
+    return ids
+
+
+class LayerCapture:
+    """Forward hooks that copy the K chosen layers' outputs into out[..., k*H:(k+1)*H]."""
+
+    def __init__(self, model, layer_ids: list[int], final_norm_for: int | None = None):
+        self.layers = decoder_layers(model)
+        self.layer_ids = list(layer_ids)
+        self.out: torch.Tensor | None = None
+        self.norm = getattr(getattr(model, "model", model), "norm", None) if final_norm_for is not None else None
+        self.final_norm_for = final_norm_for
+        self._handles = [self.layers[i].register_forward_hook(self._hook(k, i)) for k, i in enumerate(layer_ids)]
+
+    def _hook(self, k: int, layer_id: int):
+        def fn(module, args, output):
+            if self.out is None:
+                return
+            h = output[0] if isinstance(output, (tuple, list)) else output
+            if layer_id == self.final_norm_for and self.norm is not None:
+                h = self.norm(h)
+            H = h.shape[-1]
+            self.out[..., k * H:(k + 1) * H].copy_(h.reshape(self.out.shape[:-1] + (H,)))
+        return fn
+
+    def remove(self):
+        for h in self._handles:
+            h.remove()
+
+
+@dataclass
+class TargetInfo:
+    name_or_path: str
+    model_type: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    config_hash: str
+    weights_hash: str
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def target_info(path: str, cfg=None) -> TargetInfo:
+    cfg = cfg or load_config(path)
+    c = text_config(cfg)
+    return TargetInfo(os.path.abspath(path), c.model_type, c.num_hidden_layers, c.hidden_size, c.vocab_size,
+                      config_fingerprint(cfg), weights_fingerprint(path))
