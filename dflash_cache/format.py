@@ -36,6 +36,9 @@ bytes (hidden_scales included), so `verify` detects truncated, corrupted or swap
 does not exist: a crashed writer leaves nothing that looks complete, and a rerun redoes it.
 A resumed or repeated extraction writes the same bytes; what legitimately differs between runs is the root's
 info.run (batch size, world size, time) and each commit record's "writer" and "time".
+
+The layout helpers at the end of this file (chunk_key, group_json, read_root, committed_shards) are where the
+writer, the reader and inspect find things in the hierarchy; none of them imports another for the layout.
 """
 
 from __future__ import annotations
@@ -43,11 +46,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import quant
+
+if TYPE_CHECKING:  # store.py imports this module
+    from .store import Store
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 2  # the newest this code reads and writes; bf16 caches are still written as version 1
@@ -266,3 +272,50 @@ def fingerprint(*parts: Any) -> str:
         h.update(p if isinstance(p, (bytes, bytearray, memoryview)) else json.dumps(p, sort_keys=True).encode())
         h.update(b"\x00")
     return h.hexdigest()[:16]
+
+
+# ------------------------------------------------------------------------------------------------ layout
+# Where things are in the zarr hierarchy, shared by the writer, the reader and inspect.
+
+SMALL_CODEC = "zstd"  # token ids / masks / doc ids: tiny, and zstd shrinks them ~5-20x
+
+
+def group_json(attributes: dict[str, Any]) -> bytes:
+    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}, indent=1).encode()
+
+
+def chunk_key(array_path: str, coords: tuple[int, ...]) -> str:
+    return f"{array_path}/c/" + "/".join(str(c) for c in coords)
+
+
+def read_root(store: Store) -> dict[str, Any]:
+    """The root metadata of a cache, with clear errors for what is not one."""
+    if store.root_is_file():
+        raise NotACacheError(f"{store.url} is not a dflash cache: it is a file, not a directory")
+    if not store.exists_root():
+        raise CacheNotFoundError(f"no cache at {store.url}: the path does not exist")
+    doc = store.get_json("zarr.json")
+    if doc is None:
+        raise NotACacheError(f"{store.url} is not a dflash cache: it has no readable zarr.json")
+    attrs = doc.get("attributes") or {}
+    if attrs.get("format") != FORMAT_NAME:
+        raise NotACacheError(f"{store.url} is a zarr store but not a dflash cache (no format '{FORMAT_NAME}' in its attributes)")
+    v = attrs.get("format_version")
+    if not isinstance(v, int) or v > FORMAT_VERSION:
+        raise CacheVersionError(
+            f"{store.url} was written in cache format version {v}; this dflash reads versions <= {FORMAT_VERSION}: upgrade dflash"
+        )
+    return attrs
+
+
+def committed_shards(store: Store, num_shards: int) -> dict[int, dict[str, Any]]:
+    """shard index -> commit record, for every committed shard."""
+    out = {}
+    for name in store.list_dir(SHARDS):
+        if not name.isdigit():
+            continue
+        doc = store.get_json(f"{SHARDS}/{name}/zarr.json")
+        rec = ((doc or {}).get("attributes") or {}).get(COMMIT_KEY)
+        if rec is not None and int(name) < num_shards:
+            out[int(name)] = rec
+    return out

@@ -8,10 +8,19 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .format import HIDDEN, SCALES, SMALL_ARRAYS, CacheSpec, commit_problems, shard_key
+from .format import (
+    COMMIT_KEY,
+    HIDDEN,
+    SCALES,
+    SMALL_ARRAYS,
+    CacheSpec,
+    commit_problems,
+    group_json,
+    read_root,
+    shard_key,
+)
 from .reader import Cache
 from .store import Store
-from .writer import SMALL_CODEC, chunk_key, read_root
 
 
 def info(path: str) -> dict[str, Any]:
@@ -77,21 +86,20 @@ def _verify_shard(cache: Cache, s: int) -> tuple[list[str], int]:
     for name, dtype in SMALL_ARRAYS.items():
         arr = np.empty((rows, T), dtype=dtype)
         try:
-            cache._decode(chunk_key(f"{shard_key(s)}/{name}", (0, 0)), s, cache._small_codec, arr, crcs[name][0])
+            cache.decode_chunk(name, s, (0, 0), arr, crcs[name][0])
             nbytes += arr.nbytes
         except Exception as e:  # noqa: BLE001 - every failure is a finding
             problems.append(f"{name}: {e}")
     hdt, sdt = spec.hidden_storage
-    chunked = [(HIDDEN, np.empty((C, W), dtype=hdt), cache._hidden_codec)]
+    chunked = [(HIDDEN, np.empty((C, W), dtype=hdt))]
     if sdt is not None:
-        chunked.append((SCALES, np.empty((C, spec.scale_width), dtype=sdt), cache._scales_codec))
+        chunked.append((SCALES, np.empty((C, spec.scale_width), dtype=sdt)))
     per_row = spec.chunks_per_row()
-    for name, buf, codec in chunked:
+    for name, buf in chunked:
         for r in range(rows):
             for c in range(per_row):
-                key = chunk_key(f"{shard_key(s)}/{name}", (r, c, 0))
                 try:
-                    cache._decode(key, s, codec, buf, crcs[name][r * per_row + c])
+                    cache.decode_chunk(name, s, (r, c, 0), buf, crcs[name][r * per_row + c])
                     nbytes += buf.nbytes
                 except Exception as e:  # noqa: BLE001
                     problems.append(f"{name}: {e}")
@@ -121,9 +129,6 @@ def verify(path: str, threads: int = 4, progress: Callable[[int], None] | None =
 def uncommit(path: str, shards: list[int]) -> list[int]:
     """Un-commit these shards (their commit record is removed, their data left for the next writer to replace):
     the next `dflash extract` with the same settings redoes exactly them. Returns the shards un-committed."""
-    from .format import COMMIT_KEY
-    from .writer import group_json
-
     store = Store(path)
     done = []
     for s in sorted(set(shards)):

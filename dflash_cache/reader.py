@@ -38,14 +38,17 @@ from .format import (
     CacheCorruptError,
     CacheError,
     CacheIncompleteError,
+    SMALL_CODEC,
     CacheSpec,
     check_expectations,
+    chunk_key,
     commit_problems,
+    committed_shards,
+    read_root,
     shard_key,
 )
 from . import quant
 from .store import Codec, Store, crc32
-from .writer import SMALL_CODEC, chunk_key, committed_shards, read_root
 
 if TYPE_CHECKING:
     import torch
@@ -175,6 +178,13 @@ class Cache:
             raise CacheCorruptError(f"cache {self.path}: shard {shard}: cannot decode {key} ({e}); run `dflash cache verify`") from e
         if crc is not None and crc32(out) != crc:
             raise CacheCorruptError(f"cache {self.path}: shard {shard}: checksum mismatch in {key}")
+
+    def decode_chunk(self, array: str, shard: int, coords: tuple[int, ...], out: np.ndarray, crc: int | None) -> None:
+        """Decode one stored chunk of `array` (input_ids, loss_mask, doc_ids, hidden or hidden_scales) of a shard,
+        at chunk coordinates `coords`, into out, and check it against `crc` (None: no check). A missing,
+        truncated, undecodable or mismatching chunk raises CacheCorruptError naming the shard and the chunk."""
+        codec = self._hidden_codec if array == HIDDEN else self._scales_codec if array == SCALES else self._small_codec
+        self._decode(chunk_key(f"{shard_key(shard)}/{array}", coords), shard, codec, out, crc)
 
     def shard_small(self, shard: int, check: bool = True) -> dict[str, np.ndarray]:
         """The small arrays of a shard (input_ids, loss_mask, doc_ids), cached in memory."""

@@ -33,8 +33,6 @@ import numpy as np
 
 from .format import (
     COMMIT_KEY,
-    FORMAT_NAME,
-    FORMAT_VERSION,
     HIDDEN,
     SCALES,
     SHARDS,
@@ -45,18 +43,16 @@ from .format import (
     CacheSpec,
     CacheVersionError,
     NotACacheError,
+    SMALL_CODEC,
+    chunk_key,
+    committed_shards,
+    group_json,
+    read_root,
     shard_key,
 )
 from . import quant
 from .lock import LOCK_NAME
 from .store import PARTIAL, Codec, Store, crc32, zarr_compressors
-
-SMALL_CODEC = "zstd"  # token ids / masks / doc ids: tiny, and zstd shrinks them ~5-20x
-
-
-def group_json(attributes: dict[str, Any]) -> bytes:
-    return json.dumps({"zarr_format": 3, "node_type": "group", "attributes": attributes}, indent=1).encode()
-
 
 _META_CACHE: dict[tuple, bytes] = {}
 _META_LOCK = threading.Lock()
@@ -78,10 +74,6 @@ def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, code
                               compressors=zarr_compressors(codec, typesize), fill_value=0, attributes=attrs)
             _META_CACHE[key] = sync(ms.get("a/zarr.json", prototype=default_buffer_prototype())).to_bytes()
         return _META_CACHE[key]
-
-
-def chunk_key(array_path: str, coords: tuple[int, ...]) -> str:
-    return f"{array_path}/c/" + "/".join(str(c) for c in coords)
 
 
 def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -114,39 +106,6 @@ def compare_metadata(cached: dict, wanted: dict, path: str) -> None:
         if json.loads(json.dumps(a.get(k))) != json.loads(json.dumps(b.get(k))):
             raise CacheMismatchError(k, a.get(k), b.get(k), path,
                                      "this run's settings differ from the existing cache; pass --overwrite to replace it")
-
-
-def read_root(store: Store) -> dict[str, Any]:
-    """The root metadata of a cache, with clear errors for what is not one."""
-    if store.root_is_file():
-        raise NotACacheError(f"{store.url} is not a dflash cache: it is a file, not a directory")
-    if not store.exists_root():
-        raise CacheNotFoundError(f"no cache at {store.url}: the path does not exist")
-    doc = store.get_json("zarr.json")
-    if doc is None:
-        raise NotACacheError(f"{store.url} is not a dflash cache: it has no readable zarr.json")
-    attrs = doc.get("attributes") or {}
-    if attrs.get("format") != FORMAT_NAME:
-        raise NotACacheError(f"{store.url} is a zarr store but not a dflash cache (no format '{FORMAT_NAME}' in its attributes)")
-    v = attrs.get("format_version")
-    if not isinstance(v, int) or v > FORMAT_VERSION:
-        raise CacheVersionError(
-            f"{store.url} was written in cache format version {v}; this dflash reads versions <= {FORMAT_VERSION}: upgrade dflash"
-        )
-    return attrs
-
-
-def committed_shards(store: Store, num_shards: int) -> dict[int, dict[str, Any]]:
-    """shard index -> commit record, for every committed shard."""
-    out = {}
-    for name in store.list_dir(SHARDS):
-        if not name.isdigit():
-            continue
-        doc = store.get_json(f"{SHARDS}/{name}/zarr.json")
-        rec = ((doc or {}).get("attributes") or {}).get(COMMIT_KEY)
-        if rec is not None and int(name) < num_shards:
-            out[int(name)] = rec
-    return out
 
 
 def existing_root(store: Store, path: str) -> dict[str, Any] | None:
