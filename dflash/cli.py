@@ -13,6 +13,11 @@ import sys
 import click
 
 import dflash_cache
+# Light imports only at the top (`dflash --help` and `dflash cache ...` never load torch): the bottom's config,
+# errors and paths. torch-loading modules (dflash.core.dist, the stages) are imported inside the commands.
+from dflash.core.config import build, parse_int_list, parse_kv
+from dflash.core.errors import DflashError
+from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
 
 
 class CleanErrors(click.Group):
@@ -27,16 +32,12 @@ class CleanErrors(click.Group):
 
 
 def known_errors() -> tuple[type[Exception], ...]:
-    from dflash.core.errors import DflashError  # light: no torch import on the error path
-
     return (dflash_cache.CacheError, DflashError)
 
 
 def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
     """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
     must lie outside --out."""
-    from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
-
     check_output_file(json, "json")
     check_output_file(plot, "plot")
     if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
@@ -215,7 +216,6 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
                 data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "extract")
-    from dflash.core.config import build, parse_int_list, parse_kv
     from dflash.extract.run import ExtractConfig, run_extract
 
     if no_progress:
@@ -280,7 +280,6 @@ def train(preset, gpus, no_progress, **flags):
     """
     check_paths(out=flags.get("out"))
     relaunch_with_gpus(gpus, "train")
-    from dflash.core.config import build
     from dflash.train.trainer import TrainConfig, run_train
 
     if no_progress:
@@ -313,7 +312,6 @@ def eval_cmd(preset, no_progress, **flags):
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
     """
     check_paths(json=flags.get("json_out"), plot=flags.get("plot"))
-    from dflash.core.config import build, parse_kv
     from dflash.train.eval import EvalConfig, format_report, run_eval
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
@@ -364,7 +362,6 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
                 data=flags.get("data"), target=flags.get("target"))
     relaunch_with_gpus(gpus, "regenerate")
-    from dflash.core.config import build, parse_kv
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None

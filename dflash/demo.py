@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from dflash.core.config import check
+from dflash.core.config import ConfigError, check
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -121,8 +121,6 @@ def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
     convs = chitchat_conversations()
     if cfg.train_prompts + cfg.eval_prompts > len(convs):
-        from dflash.core.config import ConfigError
-
         raise ConfigError(f"--train-prompts {cfg.train_prompts} + --eval-prompts {cfg.eval_prompts}: chitchat has only "
                           f"{len(convs)} usable conversations")
     tr = convs[: cfg.train_prompts]
@@ -144,7 +142,6 @@ def _human_bytes(n: float) -> str:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """The recipe cfg.recipe resolves to: the GPU one (dflash/demo_gpu.py) or the CPU one (below)."""
     if cfg.resolved_recipe() == "gpu":
-        from dflash.core.config import ConfigError
         from dflash.demo_gpu import PRESET, run_gpu_demo
 
         if cfg.train_prompts is not None:
@@ -157,8 +154,6 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
         return run_gpu_demo(cfg.workdir or "work/demo-gpu", cfg.config or PRESET, cfg.device, cfg.progress,
                             train_overrides=overrides, eval_prompts=cfg.eval_prompts)
     if cfg.config is not None:
-        from dflash.core.config import ConfigError
-
         raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
     return run_cpu_demo(cfg.cpu())
 

@@ -27,7 +27,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash.core.config import check
+from dflash.core.config import ConfigError, build, check, read_preset
+from dflash.core.dist import atomic_json
 
 PRESET = "demo-gpu"
 
@@ -197,14 +198,10 @@ class Prepared:
 
 
 def load_recipe(preset: str = PRESET) -> GpuRecipe:
-    from dflash.core.config import read_preset
-
     fields = read_preset(preset, "recipe")
     known = set(GpuRecipe.__dataclass_fields__)
     bad = sorted(set(fields) - known)
     if bad:
-        from dflash.core.config import ConfigError
-
         raise ConfigError(f"--config: unknown key {bad[0]!r} in the recipe section of {preset} "
                           f"(known: {', '.join(sorted(known))})")
     return GpuRecipe(**fields)
@@ -214,7 +211,6 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
             target: str | None = None) -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
     target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape)."""
-    from dflash.core.config import build
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
@@ -262,7 +258,6 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     reused when newer than RUN/final; eval_tag names variants, e.g. eval-bfloat16-graph.json); n-gram lookup runs
     in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph).
     Returns {"train": summary, "eval": {dtype: report}}."""
-    from dflash.core.config import build
     from dflash.train.eval import EvalConfig, run_eval
     from dflash.train.trainer import TrainConfig, run_train
 
@@ -340,7 +335,6 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         "timings_s": timings,
         "wall_s": time.perf_counter() - t0,
     }
-    from dflash.core.dist import atomic_json
 
     atomic_json(os.path.join(workdir, "summary.json"), summary)
     print()

@@ -33,10 +33,15 @@ from typing import Any
 
 import torch
 
+from dflash.core import progress
+from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from dflash.core.config import ConfigError, check
+from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.core.paths import output_lock
+from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info
+from dflash_cache.lock import LOCK_NAME
 
 from .data import ChatTokenizer, tokenizer_fingerprint
-from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
     Engine,
     Request,
@@ -51,7 +56,6 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
     slab_cache,
     uniforms,
 )
-from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
@@ -238,8 +242,6 @@ def _remove_ours(out: str) -> None:
 
 def check_out(out: str) -> dict | None:
     """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into)."""
-    from dflash_cache.lock import LOCK_NAME
-
     old = read_meta(out) if os.path.isdir(out) else None
     entries = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_NAME)) if os.path.isdir(out) else []
     if old is None and entries:
@@ -321,18 +323,12 @@ def finalize(out: str, meta: dict) -> dict | None:
 
 
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
-    from dflash.core.dist import compute_init
-    from dflash.core.paths import output_lock
-
     dist = compute_init(cfg.device)
     with output_lock(cfg.out, "regenerate", dist.is_main, precheck=check_out):  # one writer per OUT
         return _run_regenerate(cfg, dist)
 
 
 def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
-    from dflash.core import progress
-    from dflash.core.dist import barrier, print0, resolve_dtype
-
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)
     show = cfg.progress and dist.is_main

@@ -27,18 +27,21 @@ import torch
 
 import dflash_cache
 from dflash.core import progress
+from dflash.core.chat import load_chat_dataset
 from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.core.layers import default_layer_ids
 from dflash.core.paths import output_lock
+from dflash.core.target import TargetError, load_config, load_tokenizer, target_info, text_config, validate_layer_ids
+from dflash.core.weights import compare_full, fingerprint
 from dflash_cache import CacheSpec, CacheWriter, quant
+from dflash_cache.store import Store
+from dflash_cache.writer import existing_root
 
 from .assign import assign_shards, shard_real_tokens, writer_threads_per_rank
 from .data import ChatTokenizer, data_fingerprint, tokenizer_fingerprint
-from dflash.core.chat import load_chat_dataset
 from .pack import materialize, pack, pack_stats
 from .target import PackedTarget
-from dflash.core.target import TargetError, load_config, load_tokenizer, target_info, text_config
-from dflash.core.target import validate_layer_ids
 from .tokenize_cache import tokenize_cached
 
 
@@ -106,9 +109,6 @@ def run_extract(cfg: ExtractConfig) -> dict[str, Any]:
 
 def _refuse_non_cache(out: str) -> None:
     """An --out that exists and is not a dflash cache (a file, a user's folder) is never written into."""
-    from dflash_cache.store import Store
-    from dflash_cache.writer import existing_root
-
     existing_root(Store(out), out)
 
 
@@ -124,8 +124,6 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     if cfg.layers is not None:
         layer_ids = validate_layer_ids(cfg.layers, tc.num_hidden_layers, cfg.target)
     else:
-        from dflash.core.layers import default_layer_ids
-
         L, K = tc.num_hidden_layers, cfg.num_context_layers
         if K is not None and K > max(1, L - 3):
             raise TargetError(f"--num-context-layers {K}: the default rule picks distinct layer ids from 1 to L-3 = {L - 3} "
@@ -239,10 +237,6 @@ def _weights_record(cfg: ExtractConfig, tc) -> dict | None:
     """The content fingerprint of the target's weights for the cache's root (info.weights), checked against the
     existing cache on resume: other weights are an error naming the tensor. None for a cache written before
     fingerprints were recorded (resumed without the check, with a note)."""
-    from dflash.core.weights import compare_full, fingerprint
-    from dflash_cache.store import Store
-    from dflash_cache.writer import existing_root
-
     fp = fingerprint(cfg.target, tied=bool(getattr(tc, "tie_word_embeddings", False)))
     existing = None if cfg.overwrite else existing_root(Store(cfg.out), cfg.out)
     if existing is None:

@@ -8,16 +8,6 @@ import os
 
 import numpy as np
 import pytest
-
-from dflash.extract.data import (
-    ChatTokenizer,
-    TokenizedData,
-    chat_template_fingerprint,
-    data_fingerprint,
-    tokenize_dataset,
-    tokenizer_fingerprint,
-)
-from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from tests.tiny import (
     SMOLLM2_CHAT_TEMPLATE,
     chat_rows,
@@ -25,6 +15,16 @@ from tests.tiny import (
     smollm2_gguf,
     smollm2_tokenizer,
     write_jsonl,
+)
+
+from dflash.core.chat import DataError, load_chat_dataset, to_messages
+from dflash.extract.data import (
+    ChatTokenizer,
+    TokenizedData,
+    chat_template_fingerprint,
+    data_fingerprint,
+    tokenize_dataset,
+    tokenizer_fingerprint,
 )
 
 EOT = "<|im_end|>\n"  # ChatML end of turn: supervised together with the assistant's content

@@ -30,16 +30,16 @@ import time
 import numpy as np
 import pytest
 import torch
+from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer, write_jsonl
 
 import dflash_cache
-from dflash_cache.format import ARRAYS, shard_key
+from dflash.core.chat import load_chat_dataset
+from dflash.core.target import convert_gguf, decoder_layers, load_causal_lm, load_tokenizer
 from dflash.extract.assign import assign_shards
 from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenize_dataset
-from dflash.core.chat import load_chat_dataset
 from dflash.extract.pack import materialize, pack
 from dflash.extract.target import PackedTarget, packed_causal_mask
-from dflash.core.target import convert_gguf, decoder_layers, load_causal_lm, load_tokenizer
-from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer, write_jsonl
+from dflash_cache.format import ARRAYS, shard_key
 
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+from dflash.core.layers import default_layer_ids
 from dflash.train.model import (
     DFlashDrafter,
     DrafterConfig,
@@ -17,7 +18,6 @@ from dflash.train.model import (
     save_drafter,
     slot_weights,
 )
-from dflash.core.layers import default_layer_ids
 
 T = 96
 

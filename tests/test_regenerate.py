@@ -14,11 +14,11 @@ from collections import Counter
 
 import pytest
 import torch
-
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
-from dflash.core.config import ConfigError
 from dflash.core.chat import DataError, load_chat_dataset
+from dflash.core.config import ConfigError
+from dflash.core.target import TargetError, load_causal_lm, load_tokenizer
 from dflash.extract.regenerate import (
     META_NAME,
     Engine,
@@ -31,7 +31,6 @@ from dflash.extract.regenerate import (
     sample,
     uniforms,
 )
-from dflash.core.target import TargetError, load_causal_lm, load_tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -22,7 +22,11 @@ from typing import Any
 
 import torch
 
+from dflash.core import progress
+from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from dflash.core.config import check
+from dflash.core.dist import compute_init, resolve_dtype
+from dflash.core.target import LayerCapture, decoder_layers, load_causal_lm, load_tokenizer
 
 from .model import DFlashDrafter, attend, load_drafter, rope_cos_sin
 
@@ -75,8 +79,6 @@ def crop_cache(cache, length: int) -> None:
 
 class Target:
     def __init__(self, model, layer_ids: list[int] | None):
-        from dflash.core.target import LayerCapture, decoder_layers
-
         self.model = model
         self.device = next(model.parameters()).device
         self.capture = None
@@ -434,8 +436,6 @@ def greedy(target: Target, prompt: list[int], max_new: int, eos: set[int], margi
 def prompt_messages(msgs: list[dict], row: int, source: str) -> list[dict]:
     """The prompt of a row: the whole row when it ends with a user turn (a conversation's history up to
     the turn to answer), else the turns before its first assistant turn."""
-    from dflash.core.chat import DataError
-
     if not (msgs and msgs[-1]["role"] == "user"):
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
         msgs = msgs[:first]
@@ -446,8 +446,6 @@ def prompt_messages(msgs: list[dict], row: int, source: str) -> list[dict]:
 
 def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
     """Token ids of each row's prompt (see prompt_messages), with the generation prompt."""
-    from dflash.core.chat import DataError, load_chat_dataset, to_messages
-
     ds = load_chat_dataset(cfg.data, split=cfg.split)
     n = len(ds)
     lo = min(cfg.skip_prompts, n)
@@ -544,10 +542,6 @@ def plot_acceptance(path: str, results: list[dict], block_size: int) -> None:
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
-    from dflash.core import progress
-    from dflash.core.dist import compute_init, resolve_dtype
-    from dflash.core.target import load_causal_lm, load_tokenizer
-
     dev = compute_init(cfg.device).device
     dtype = resolve_dtype(cfg.dtype, dev)
     tok = load_tokenizer(cfg.target)

@@ -36,6 +36,10 @@ from dflash.core import progress
 from dflash.core.config import ConfigError, check
 from dflash.core.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
 from dflash.core.errors import DflashError
+from dflash.core.paths import check_output_dir, inside, is_url, output_lock
+from dflash.core.target import load_causal_lm, load_config, load_tokenizer, resolve_target, target_info, text_config
+from dflash.core.weights import check_roles
+from dflash_cache.lock import LOCK_NAME
 
 from .model import DFlashDrafter, DrafterConfig, save_drafter
 
@@ -139,8 +143,6 @@ IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", 
 
 def load_target_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding weight, LM head weight) of the target, reading only those tensors when possible."""
-    from dflash.core.target import load_causal_lm, load_config, resolve_target, text_config
-
     d, gguf = resolve_target(path)
     cfg = text_config(load_config(path))
     if gguf is None:
@@ -247,9 +249,6 @@ def _describe_dir(out: str, entries: list[str]) -> str:
 def check_out_path(cfg: TrainConfig) -> None:
     """Before anything is written: --out may be a new or empty directory or a dflash train run directory, never
     a file, a user's folder, a cache, nor anything holding or inside the cache this run reads."""
-    from dflash.core.paths import check_output_dir, inside, is_url
-    from dflash_cache.lock import LOCK_NAME
-
     check_output_dir(cfg.out, "out")
     if not is_url(cfg.cache) and (inside(cfg.cache, cfg.out) or inside(cfg.out, cfg.cache)):
         how = "is" if os.path.realpath(cfg.cache) == os.path.realpath(cfg.out) else (
@@ -433,8 +432,6 @@ class Trainer:
                               "use --attn split (the default there) or sdpa")
         self.compiled = cfg.compile == "on" or (cfg.compile == "auto" and self.cuda)
 
-        from dflash.core.target import load_config, load_tokenizer, target_info, text_config
-
         hf = load_config(cfg.target)
         tc = text_config(hf)
         tinfo = target_info(cfg.target, hf)
@@ -445,7 +442,6 @@ class Trainer:
             raise TrainError(f"the cache does not belong to --target {cfg.target}: {e}") from e
         cache = self.cache
         if self.dist.is_main:  # the embedding and LM head this run takes from --target: the cache's own?
-            from dflash.core.weights import check_roles
 
             note = check_roles(cache.metadata.get("info", {}).get("weights"), cfg.target, cfg.cache,
                                tied=bool(getattr(tc, "tie_word_embeddings", False)))
@@ -819,8 +815,6 @@ def _compile_count() -> int:
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """The command; rank 0 of the job holds the lock of --out throughout (one writer per run directory)."""
-    from dflash.core.paths import output_lock
-
     with output_lock(cfg.out, "train", int(os.environ.get("RANK", 0)) == 0, precheck=lambda _: check_out_path(cfg)):
         return _run_train(cfg)
 

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.core.config import ConfigError
+
 
 @dataclass
 class Dist:
@@ -30,8 +32,6 @@ def under_torchrun() -> bool:
 
 def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
     """--device: auto, cpu, cuda or cuda:N, checked against this machine (an error naming the flag)."""
-    from dflash.core.config import ConfigError
-
     if device in (None, "auto"):
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     try:
@@ -52,8 +52,6 @@ def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
 
 def check_gpu_ids(ids: list[str]) -> None:
     """--gpus: ids that exist on this machine (torchrun would otherwise train on the CPU without a word)."""
-    from dflash.core.config import ConfigError
-
     if not torch.cuda.is_available():
         raise ConfigError(f"--gpus {','.join(ids)}: this machine has no usable CUDA device; "
                           "run without --gpus to use the CPU")
@@ -133,8 +131,6 @@ def torchrun_command(module: str, argv: list[str], gpus: str, environ) -> tuple[
     ("0,1,2"), with only those GPUs visible; ConfigError naming --gpus for a malformed list. Pure: whether
     the GPUs exist is check_gpu_ids' business."""
     import sys
-
-    from dflash.core.config import ConfigError
 
     ids = [g.strip() for g in gpus.split(",") if g.strip()]
     if not ids or not all(g.isdigit() for g in ids):

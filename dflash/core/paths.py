@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from dflash.core.config import ConfigError, flag
+from dflash_cache.lock import OutputLock
 
 
 def is_url(path: str) -> bool:
@@ -70,7 +71,6 @@ class output_lock:
     def __enter__(self):
         if not self.is_main:
             return None
-        from dflash_cache.lock import OutputLock
 
         if self.precheck is not None:
             self.precheck(self.out)
