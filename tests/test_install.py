@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import site
 import subprocess
 import sys
 import sysconfig
@@ -32,6 +31,19 @@ def _run(cmd, **kw):
     r = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, timeout=600, **kw)
     assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     return r
+
+
+def _dependency_paths() -> list[str]:
+    """Where this interpreter finds its installed packages (site-packages and what .pth files add), the checkout
+    and the standard library left out: the fresh venv sees torch & co. there, never this checkout's dflash."""
+    stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
+    out = []
+    for p in sys.path:
+        real = os.path.realpath(p or os.getcwd())
+        if (os.path.isdir(real) and real not in stdlib and not real.startswith(str(REPO))
+                and not any(real.startswith(s + os.sep + "lib-dynload") for s in stdlib)):
+            out.append(real)
+    return list(dict.fromkeys(out))
 
 
 @pytest.mark.slow
@@ -58,7 +70,7 @@ def test_a_wheel_installed_in_a_fresh_venv_extracts_and_trains_outside_the_check
     _run([sys.executable, "-m", "venv", "--without-pip", venv])
     vpy = venv / "bin" / "python"
     vsite = Path(_run([vpy, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
-    deps = [p for p in dict.fromkeys(site.getsitepackages() + [sysconfig.get_paths()["purelib"]]) if os.path.isdir(p)]
+    deps = _dependency_paths()
     (vsite / "_dflash_test_deps.pth").write_text("\n".join(deps) + "\n")
     _run([sys.executable, "-m", "pip", "--python", vpy, "install", "--no-deps", "--no-index", "-q", wheel])
 
