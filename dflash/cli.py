@@ -12,12 +12,16 @@ import sys
 
 import click
 
+# Light imports only at the top (`dflash --help` and `dflash cache ...` never load torch): the cache, the bottom's
+# config, errors and paths, the demo's sizes. torch-loading modules (dflash.core.dist, the stages) are imported
+# inside the commands that run them.
 import dflash_cache
-# Light imports only at the top (`dflash --help` and `dflash cache ...` never load torch): the bottom's config,
-# errors and paths. torch-loading modules (dflash.core.dist, the stages) are imported inside the commands.
 from dflash.core.config import build, parse_int_list, parse_kv
 from dflash.core.errors import DflashError
 from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
+from dflash.demo import CPU_SIZES
+from dflash_cache.inspect import uncommit
+from dflash_cache.lock import OutputLock
 
 
 class CleanErrors(click.Group):
@@ -71,9 +75,6 @@ def argv_without_gpus(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
-
-
-from dflash.demo import CPU_SIZES  # noqa: E402  (light: no torch)
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -159,9 +160,6 @@ def cache_verify(path, threads, repair):
         more = f" (+{len(rep.uncommitted) - 20} more)" if len(rep.uncommitted) > 20 else ""
         click.echo(f"NOT COMMITTED ({len(rep.uncommitted)} shards): {head}{more} - rerun the extraction to finish them")
     if repair and rep.bad:
-        from dflash_cache.inspect import uncommit
-        from dflash_cache.lock import OutputLock
-
         with OutputLock(path, "dflash cache verify --repair"):  # not while an extract writes this cache
             fixed = uncommit(path, list(rep.bad))
         click.echo(f"repaired: un-committed {len(fixed)} shard(s) {', '.join(f'{s:06d}' for s in fixed)}; "

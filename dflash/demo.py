@@ -18,6 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+import dflash_cache
 from dflash.core.config import ConfigError, check
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -159,9 +160,10 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
-    import dflash_cache
-    from dflash.extract.run import ExtractConfig, run_extract
+    # the stages and dflash.core.target load torch: imported here, so that `dflash --help` (which imports this
+    # module for CPU_SIZES) starts without it
     from dflash.core.target import convert_gguf
+    from dflash.extract.run import ExtractConfig, run_extract
     from dflash.train.eval import EvalConfig, format_report, run_eval
     from dflash.train.trainer import TrainConfig, run_train
 

@@ -25,9 +25,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tests.workload import PAIRED, make_workload
 
 from dflash.cli import main as cli_main
+from tests.workload import PAIRED, make_workload
 
 STEPS = 4
 RTOL = 1e-5

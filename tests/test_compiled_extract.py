@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 import dflash.extract.compiled as ec
 import dflash_cache
 from dflash.extract.run import ExtractConfig, run_extract
 from dflash.extract.target import PackedTarget
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 
 @pytest.fixture(scope="module")

@@ -8,14 +8,6 @@ import os
 
 import numpy as np
 import pytest
-from tests.tiny import (
-    SMOLLM2_CHAT_TEMPLATE,
-    chat_rows,
-    make_tiny_tokenizer,
-    smollm2_gguf,
-    smollm2_tokenizer,
-    write_jsonl,
-)
 
 from dflash.core.chat import DataError, load_chat_dataset, to_messages
 from dflash.extract.data import (
@@ -25,6 +17,14 @@ from dflash.extract.data import (
     data_fingerprint,
     tokenize_dataset,
     tokenizer_fingerprint,
+)
+from tests.tiny import (
+    SMOLLM2_CHAT_TEMPLATE,
+    chat_rows,
+    make_tiny_tokenizer,
+    smollm2_gguf,
+    smollm2_tokenizer,
+    write_jsonl,
 )
 
 EOT = "<|im_end|>\n"  # ChatML end of turn: supervised together with the assistant's content

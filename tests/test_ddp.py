@@ -41,9 +41,9 @@ import pytest
 import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file
-from tests.workload import PAIRED, make_workload
 
 from dflash.cli import main as cli_main
+from tests.workload import PAIRED, make_workload
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent

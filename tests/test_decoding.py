@@ -25,13 +25,13 @@ import random
 import pytest
 import torch
 from click.testing import CliRunner
-from tests.tiny import chat_rows, make_tiny_target, write_jsonl
-from tests.workload import hf_greedy
 
 from dflash.cli import main as cli_main
 from dflash.core.target import load_causal_lm, load_tokenizer
 from dflash.train.eval import DFlashProposer, NgramProposer, Target, greedy, speculative
 from dflash.train.model import DFlashDrafter, DrafterConfig, load_drafter
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
+from tests.workload import hf_greedy
 
 BLOCK = 4
 LAYERS = [1, 2, 3]

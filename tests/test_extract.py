@@ -30,7 +30,6 @@ import time
 import numpy as np
 import pytest
 import torch
-from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer, write_jsonl
 
 import dflash_cache
 from dflash.core.chat import load_chat_dataset
@@ -40,6 +39,7 @@ from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenize_datase
 from dflash.extract.pack import materialize, pack
 from dflash.extract.target import PackedTarget, packed_causal_mask
 from dflash_cache.format import ARRAYS, shard_key
+from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer, write_jsonl
 
 PY = sys.executable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

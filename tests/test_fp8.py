@@ -34,11 +34,11 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 import dflash_cache
 from dflash_cache import CacheError, CacheSpec, CacheWriter, quant
 from dflash_cache.format import shard_key
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent

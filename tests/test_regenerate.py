@@ -14,7 +14,6 @@ from collections import Counter
 
 import pytest
 import torch
-from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 from dflash.core.chat import DataError, load_chat_dataset
 from dflash.core.config import ConfigError
@@ -31,6 +30,7 @@ from dflash.extract.regenerate import (
     sample,
     uniforms,
 )
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

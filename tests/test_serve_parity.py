@@ -28,8 +28,6 @@ import random
 import pytest
 import torch
 from click.testing import CliRunner
-from tests.tiny import _text, make_tiny_target, write_jsonl
-from tests.workload import hf_greedy
 
 import dflash_cache
 from dflash.cli import main as cli_main
@@ -37,6 +35,8 @@ from dflash.core.target import load_causal_lm, load_tokenizer
 from dflash.extract.target import PackedTarget
 from dflash.train.eval import DFlashProposer, Target, crop_cache, speculative
 from dflash.train.model import DFlashDrafter, DrafterConfig, slot_weights
+from tests.tiny import _text, make_tiny_target, write_jsonl
+from tests.workload import hf_greedy
 
 BLOCK = 4
 

@@ -24,13 +24,13 @@ from pathlib import Path
 import pytest
 import yaml
 from click.testing import CliRunner
-from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 import dflash_cache
 from dflash.cli import argv_without_gpus, main as cli_main
 from dflash.core.config import ConfigError, build, presets
 from dflash.core.dist import torchrun_command
 from dflash_cache import CacheCorruptError
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent

@@ -12,12 +12,12 @@ import os
 
 import numpy as np
 import pytest
-from tests.tiny import chat_rows, make_tiny_tokenizer, write_jsonl
 
 import dflash.extract.tokenize_cache as tc
 from dflash.core.chat import DataError, load_chat_dataset
 from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenize_dataset
 from dflash.extract.pack import pack
+from tests.tiny import chat_rows, make_tiny_tokenizer, write_jsonl
 
 
 @pytest.fixture(scope="module")

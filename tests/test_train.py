@@ -37,13 +37,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, write_jsonl
 
 import dflash_cache
 from dflash.cli import main as cli_main
 from dflash.core.config import ConfigError
 from dflash.train.model import load_drafter
 from dflash.train.trainer import TrainConfig, lr_at, resolve_mask_token_id
+from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, write_jsonl
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent

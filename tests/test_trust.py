@@ -39,12 +39,12 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 import dflash_cache
 from dflash.cli import main as cli_main
 from dflash_cache.inspect import VOLATILE_COMMIT_FIELDS
 from dflash_cache.lock import LOCK_NAME, LockedError, OutputLock
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent

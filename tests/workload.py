@@ -17,10 +17,10 @@ import random
 from pathlib import Path
 
 from click.testing import CliRunner
-from tests.tiny import _text, make_tiny_target, write_jsonl
 
 import dflash_cache
 from dflash.cli import main as cli_main
+from tests.tiny import _text, make_tiny_target, write_jsonl
 
 SEQ = 128
 NUM_ANCHORS = 6
