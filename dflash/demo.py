@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from dflash.config import check
+from dflash.io import atomic_jsonl
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -107,11 +108,7 @@ def chitchat_conversations() -> list[dict[str, str]]:
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    atomic_jsonl(path, rows)
 
 
 def prepare_data(cfg: DemoConfig) -> tuple[str, str]:

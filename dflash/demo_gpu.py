@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash.config import check
+from dflash.io import atomic_jsonl
 
 PRESET = "demo-gpu"
 
@@ -153,11 +154,7 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_jsonl(path, rows, ensure_ascii=False)
 
 
 def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict]:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.io import atomic_json  # noqa: F401  (re-exported: callers import it from here)
+
 
 @dataclass
 class Dist:
@@ -94,23 +96,6 @@ def barrier() -> None:
 def print0(*args, **kwargs) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
-
-
-def atomic_json(path: str, obj) -> None:
-    """Write obj as JSON under a temporary name, then rename: readers never see half a file."""
-    import json
-
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        try:  # no temporary file left behind (disk full, a directory in the way, ...)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_json0(path: str, obj) -> None:

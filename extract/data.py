@@ -14,7 +14,6 @@ the dataset) and the field. Nothing is dropped silently: skipped and truncated c
 from __future__ import annotations
 
 import glob
-import hashlib
 import itertools
 import json
 import os
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dflash.errors import DflashError
+from dflash.io import short_hash
 
 
 class DataError(DflashError):
@@ -497,12 +497,6 @@ class ChatTokenizer:
 # fingerprints
 
 
-def _short_sha(payload: bytes | str) -> str:
-    if isinstance(payload, str):
-        payload = payload.encode("utf-8")
-    return hashlib.sha256(payload).hexdigest()[:16]
-
-
 def tokenizer_fingerprint(tokenizer) -> str:
     """Short stable hash of what the tokenizer does: its serialized backend (vocab, merges, normalizer,
     pre-tokenizer, added tokens; not transient truncation/padding state) and its special tokens."""
@@ -515,12 +509,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:  # slow tokenizer: the vocabulary
         body = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     special = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
-    return _short_sha(body + "\0" + special)
+    return short_hash(body + "\0" + special)
 
 
 def chat_template_fingerprint(template: str, kwargs: dict | None) -> str:
     """Short stable hash of a chat template and the keyword arguments it is rendered with."""
-    return _short_sha(json.dumps({"chat_template": template, "kwargs": kwargs or {}}, sort_keys=True, default=repr))
+    return short_hash(json.dumps({"chat_template": template, "kwargs": kwargs or {}}, sort_keys=True, default=repr))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -655,9 +649,7 @@ def check_usable(out: TokenizedData, source: str) -> None:
 
 def data_fingerprint(tokenized: TokenizedData) -> str:
     """Short stable hash of the kept documents' ids and loss masks, in order."""
-    h = hashlib.sha256()
-    for ids, mask in tokenized.docs:
-        h.update(np.array(len(ids), dtype="<i8").tobytes())
-        h.update(np.ascontiguousarray(ids, dtype="<i4").tobytes())
-        h.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
-    return h.hexdigest()[:16]
+    return short_hash(chunk for ids, mask in tokenized.docs
+                      for chunk in (np.array(len(ids), dtype="<i8").tobytes(),
+                                    np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+                                    np.ascontiguousarray(mask, dtype=np.uint8).tobytes()))

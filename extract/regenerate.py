@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from dflash.config import ConfigError, check
+from dflash.io import atomic_write
 
 from .data import ChatTokenizer, DataError, load_chat_dataset, to_messages, tokenizer_fingerprint
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
@@ -192,12 +193,7 @@ def committed_parts(out: str) -> set[int]:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text, durable=True)  # resume skips a committed part on its word: fsync before the rename
 
 
 def read_meta(out: str) -> dict | None:

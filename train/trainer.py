@@ -36,6 +36,7 @@ from dflash import progress
 from dflash.config import ConfigError, check
 from dflash.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
 from dflash.errors import DflashError
+from dflash.io import atomic_write
 
 from .model import DFlashDrafter, DrafterConfig, save_drafter
 
@@ -310,9 +311,7 @@ def drop_metrics_after(out: str, step: int) -> None:
     if os.path.exists(metrics):
         with open(metrics) as f:
             keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-        with open(metrics + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(metrics + ".tmp", metrics)
+        atomic_write(metrics, "".join(keep))
 
 
 class DiskWriteError(TrainError):
@@ -381,9 +380,7 @@ def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     with writing(os.path.join(ck, "latest"), last_good):
-        with open(os.path.join(ck, "latest.tmp"), "w") as f:
-            f.write(name)
-        os.replace(os.path.join(ck, "latest.tmp"), os.path.join(ck, "latest"))
+        atomic_write(os.path.join(ck, "latest"), name)
     olds = sorted(d for d in os.listdir(ck) if d.startswith("step_") and not d.endswith(".tmp"))
     for d in olds[:-keep]:
         shutil.rmtree(os.path.join(ck, d), ignore_errors=True)
