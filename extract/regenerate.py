@@ -22,6 +22,7 @@ block lets `datasets.load_dataset(OUT)` find the parts.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import math
 import os
@@ -33,16 +34,16 @@ from typing import Any
 
 import torch
 
+from dflash.chat import REGENERATE_META, eos_ids_of, iter_row_batches, row_messages
 from dflash.config import ConfigError, check
 from dflash.io import atomic_write
 
-from .data import ChatTokenizer, DataError, load_chat_dataset, to_messages, tokenizer_fingerprint
+from .data import ChatTokenizer, DataError, load_chat_dataset, tokenizer_fingerprint
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
     Engine,
     Request,
     Result,
     check_attention_only,
-    eos_ids_of,
     generate,
     kv_bytes_per_token,
     plan_engine,
@@ -55,7 +56,7 @@ from .target import load_causal_lm, load_config, load_tokenizer, target_info
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
-META_NAME = "dflash_regenerate.json"  # extract.data skips this name when it scans a directory
+META_NAME = REGENERATE_META  # the dataset loader skips this name when it scans a directory
 PART_RE = re.compile(r"^part-(\d{5,})\.jsonl$")
 
 
@@ -135,11 +136,7 @@ class Conversation:
 def conversation(example, row: int, source: str) -> tuple[Conversation | None, str | None]:
     """(conversation, None) or (None, reason it is skipped). A row without any assistant turn (e.g. a prompt
     dataset, or a `prompt` column) gets one assistant turn appended; bad rows raise DataError."""
-    if isinstance(example, dict) and example.get("messages") is None and example.get("conversations") is None \
-            and isinstance(example.get("prompt"), str):
-        messages = [{"role": "user", "content": example["prompt"]}]
-    else:
-        messages = to_messages(example, row, source)
+    messages = row_messages(example, row, source, prompt=True)
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if first_user is None or (turns and turns[0] < first_user):
@@ -148,22 +145,6 @@ def conversation(example, row: int, source: str) -> tuple[Conversation | None, s
         messages = [*messages, {"role": "assistant", "content": ""}]
         turns = [len(messages) - 1]
     return Conversation(row, messages, turns), None
-
-
-def _iter_rows(ds, lo: int, hi: int, source: str):
-    names = getattr(ds, "column_names", None)
-    if names is not None and hasattr(ds, "select"):
-        cols = [c for c in ("messages", "conversations", "prompt") if c in names]
-        if not cols:
-            raise DataError(f"{source}, row {lo}: no 'messages' (OpenAI format) or 'conversations' (ShareGPT format) "
-                            f"field; fields are: {', '.join(names) or '(none)'}")
-        sub = ds.select(range(lo, hi)).select_columns(cols).with_format(None)
-        for batch in sub.iter(batch_size=256):
-            n = len(batch[cols[0]])
-            for j in range(n):
-                yield {c: batch[c][j] for c in cols}
-    else:
-        yield from list(ds)[lo:hi]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -405,7 +386,8 @@ def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
     for p in todo:
         lo, hi = p * cfg.part_size, min(len(ds), (p + 1) * cfg.part_size)
         convs, stats = [], _new_stats()
-        for r, ex in zip(range(lo, hi), _iter_rows(ds, lo, hi, cfg.data)):
+        rows = itertools.chain.from_iterable(iter_row_batches(ds, cfg.data, prompt=True, lo=lo, hi=hi))
+        for r, ex in zip(range(lo, hi), rows):
             c, why = conversation(ex, r, cfg.data)
             stats["rows"] += 1
             if c is None:

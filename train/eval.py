@@ -14,6 +14,7 @@ must equal the target-only output: exact in float32; in bf16 on GPU the match ra
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -22,6 +23,7 @@ from typing import Any
 
 import torch
 
+from dflash.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.config import check
 
 from .model import DFlashDrafter, attend, load_drafter, rope_cos_sin
@@ -434,8 +436,6 @@ def greedy(target: Target, prompt: list[int], max_new: int, eos: set[int], margi
 def prompt_messages(msgs: list[dict], row: int, source: str) -> list[dict]:
     """The prompt of a row: the whole row when it ends with a user turn (a conversation's history up to
     the turn to answer), else the turns before its first assistant turn."""
-    from extract.data import DataError
-
     if not (msgs and msgs[-1]["role"] == "user"):
         first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), len(msgs))
         msgs = msgs[:first]
@@ -446,20 +446,14 @@ def prompt_messages(msgs: list[dict], row: int, source: str) -> list[dict]:
 
 def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
     """Token ids of each row's prompt (see prompt_messages), with the generation prompt."""
-    from extract.data import DataError, load_chat_dataset, to_messages
-
     ds = load_chat_dataset(cfg.data, split=cfg.split)
     n = len(ds)
     lo = min(cfg.skip_prompts, n)
     hi = n if cfg.max_prompts is None else min(n, lo + cfg.max_prompts)
     prompts = []
-    for row in range(lo, hi):
-        ex = ds[row]
-        if "prompt" in ex and "messages" not in ex and "conversations" not in ex:
-            msgs = [{"role": "user", "content": str(ex["prompt"])}]
-        else:
-            msgs = to_messages(ex, row, cfg.data)
-        msgs = prompt_messages(msgs, row, cfg.data)
+    rows = itertools.chain.from_iterable(iter_row_batches(ds, cfg.data, prompt=True, lo=lo, hi=hi))
+    for row, ex in zip(range(lo, hi), rows):
+        msgs = prompt_messages(row_messages(ex, row, cfg.data, prompt=True), row, cfg.data)
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **cfg.chat_template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -557,12 +551,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     drafter.eval()
     target = Target(model, drafter.cfg.target_layer_ids)
     prompts = load_prompts(cfg, tok)
-    eos = set()
-    if cfg.stop_at_eos:
-        ids = tok.eos_token_id if isinstance(tok.eos_token_id, list) else [tok.eos_token_id]
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        eos = {int(i) for i in ids if i is not None}
+    eos = eos_ids_of(model, tok) if cfg.stop_at_eos else set()
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
     dflash = DFlashProposer(drafter, max_len, graph=cfg.draft_graph)
