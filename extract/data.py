@@ -1,5 +1,6 @@
-"""Chat data for extraction: load a dataset, normalise its conversations, tokenise them with the target's
-chat template and a loss mask that is 1 exactly on what the assistant produces.
+"""Chat data for extraction: tokenise conversations with the target's chat template and a loss mask that is 1
+exactly on what the assistant produces. Loading a dataset and normalising its rows live in dflash.chat (eval
+needs them too); their names are re-exported here.
 
     ds = load_chat_dataset("chats.jsonl", max_samples=10_000)
     chat_tok = ChatTokenizer(tokenizer)                       # the target's tokenizer + chat template
