@@ -2,7 +2,7 @@
 
 Contract:
 - `atomic_write(path, data)` writes str or bytes under a hidden temporary name in the same directory
-  (`.NAME.tmp-PID`), then renames it over `path`: a reader sees the old file or the new one, never half
+  (`.NAME.tmp-PID`, TEMPORARY_GLOB), then renames it over `path`: a reader sees the old file or the new one, never half
   of one. On any failure the temporary file is removed and the error propagates.
 - `durable=True` also fsyncs the file before the rename, so that after a crash (power loss, not just a
   killed process) a renamed file is never empty or short. Use it for files that a later resume trusts as
@@ -24,11 +24,18 @@ import json
 import os
 from collections.abc import Iterable
 
+TEMPORARY_GLOB = ".*.tmp-*"  # atomic_write's temporary names: left behind only by a process killed mid-write
+
+
+def temporary_name(path: str) -> str:
+    """Where atomic_write stages `path`: hidden, in the same directory (so the rename is atomic), per process."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+
 
 def atomic_write(path: str, data: str | bytes, *, durable: bool = False) -> None:
     """Write data (str as UTF-8, or bytes) to path through a temporary file and a rename; see the module doc."""
     path = os.fspath(path)
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    tmp = temporary_name(path)
     try:
         with open(tmp, "wb") as f:
             f.write(data.encode("utf-8") if isinstance(data, str) else data)

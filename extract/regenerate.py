@@ -36,7 +36,7 @@ import torch
 
 from dflash.chat import REGENERATE_META, eos_ids_of, iter_row_batches, row_messages
 from dflash.config import ConfigError, check
-from dflash.io import atomic_write
+from dflash.io import TEMPORARY_GLOB, atomic_write
 
 from .data import ChatTokenizer, DataError, load_chat_dataset, tokenizer_fingerprint
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
@@ -237,7 +237,7 @@ def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
         _atomic_write(os.path.join(out, META_NAME), json.dumps(meta, indent=2, sort_keys=True) + "\n")
         _atomic_write(os.path.join(out, "README.md"), dataset_card(meta))
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
-    for stale in glob.glob(os.path.join(out, "data", ".*.tmp-*")):  # left by a killed run: never a committed part
+    for stale in glob.glob(os.path.join(out, "data", TEMPORARY_GLOB)):  # left by a killed run: never a committed part
         os.remove(stale)
 
 
