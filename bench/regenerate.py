@@ -25,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from dflash.extract.generate import Engine, Request, eos_ids_of, plan_engine, rng_key  # noqa: E402
+from dflash.core.chat import eos_ids_of  # noqa: E402
+from dflash.extract.generate import Engine, Request, plan_engine, rng_key  # noqa: E402
 from dflash.core.dist import resolve_dtype  # noqa: E402
 
 

@@ -7,6 +7,7 @@ or let it launch torchrun for you with --gpus 0,1,2,3,4.
 
 from __future__ import annotations
 
+import functools
 import json
 import sys
 
@@ -42,6 +43,7 @@ def known_errors() -> tuple[type[Exception], ...]:
 def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
     """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
     must lie outside --out."""
+
     check_output_file(json, "json")
     check_output_file(plot, "plot")
     if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
@@ -75,6 +77,71 @@ def argv_without_gpus(argv: list[str]) -> list[str]:
             continue
         out.append(a)
     return out
+
+
+# Where a command's option shows its default in --help: the config dataclass of the command (imported only
+# when help is rendered: it loads torch), so a default changed there shows here.
+COMMAND_CONFIGS = {
+    "extract": ("dflash.extract.run", "ExtractConfig"),
+    "train": ("dflash.train.trainer", "TrainConfig"),
+    "eval": ("dflash.train.eval", "EvalConfig"),
+    "regenerate": ("dflash.extract.regenerate", "RegenerateConfig"),
+}
+
+
+def command_config(command: str):
+    import importlib
+
+    module, name = COMMAND_CONFIGS[command]
+    return getattr(importlib.import_module(module), name)
+
+
+def format_default(value) -> str | None:
+    """How a dataclass default reads in --help: on/off for booleans, nothing for None, "" and containers."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if value is None or value == "" or isinstance(value, (dict, list, tuple)):
+        return None
+    return str(value)
+
+
+class ConfigOption(click.Option):
+    """A command option whose `[default: ...]` is its config field's dataclass default (the field of the same
+    name in COMMAND_CONFIGS[command]); `default_text` replaces it where the default is a rule ('auto', None
+    or 0 resolved at run time: "bf16 on GPU, fp32 on CPU"). Plain flags (--overwrite) show no default."""
+
+    def __init__(self, *args, default_text: str | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.default_text = default_text
+
+    def config_default(self, command: str):
+        """The dataclass default of this option's field (dataclasses.MISSING if there is none)."""
+        import dataclasses
+
+        for f in dataclasses.fields(command_config(command)):
+            if f.name == self.name:
+                return f.default  # MISSING for a default_factory: shown as nothing
+        return dataclasses.MISSING
+
+    def shown_default(self, command: str) -> str | None:
+        import dataclasses
+
+        if self.default_text is not None:
+            return self.default_text
+        if self.is_flag and not self.secondary_opts:
+            return None
+        value = self.config_default(command)
+        return None if value is dataclasses.MISSING else format_default(value)
+
+    def get_help_extra(self, ctx):
+        extra = super().get_help_extra(ctx)
+        shown = self.shown_default(ctx.command.name)
+        if shown is not None:
+            extra["default"] = shown
+        return extra
+
+
+option = functools.partial(click.option, cls=ConfigOption)
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -160,6 +227,7 @@ def cache_verify(path, threads, repair):
         more = f" (+{len(rep.uncommitted) - 20} more)" if len(rep.uncommitted) > 20 else ""
         click.echo(f"NOT COMMITTED ({len(rep.uncommitted)} shards): {head}{more} - rerun the extraction to finish them")
     if repair and rep.bad:
+
         with OutputLock(path, "dflash cache verify --repair"):  # not while an extract writes this cache
             fixed = uncommit(path, list(rep.bad))
         click.echo(f"repaired: un-committed {len(fixed)} shard(s) {', '.join(f'{s:06d}' for s in fixed)}; "
@@ -170,37 +238,37 @@ def cache_verify(path, threads, repair):
 
 
 @main.command()
-@click.option("--target", help="The frozen target: a local HF model directory or a .gguf file.")
-@click.option("--data", help="Chat data: a json/jsonl/parquet file, a glob, a directory, or a save_to_disk dataset "
-              "(OpenAI `messages` or ShareGPT `conversations`).")
-@click.option("--out", help="Where to write the cache (a directory or an fsspec URL).")
-@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
-@click.option("--split", help="Dataset split.  [default: train]")
-@click.option("--max-samples", type=int, help="Use only the first N conversations.")
-@click.option("--seq-len", type=int, help="Row length T: conversations are packed into rows of exactly T tokens.  [default: 2048]")
-@click.option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.  [default: DFlash's rule, K from 1 to L-3]")
-@click.option("--num-context-layers", type=int, help="K for the default layer rule.  [default: 5]")
-@click.option("--rows-per-shard", type=int, help="Rows per committed shard.  [default: ~512 MB of hidden states]")
-@click.option("--batch-rows", type=int, help="Rows per target forward.  [default: ~16k tokens]")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
-@click.option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.  [default: flex on GPU, sdpa on CPU]")
-@click.option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.  [default: zstd]")
-@click.option("--hidden-dtype", type=click.Choice(["bf16", "fp8", "fp4"]),
-              help="Stored hidden states: bf16 (exact), fp8 (e4m3 + a scale per token and layer: half the bytes), "
-                   "fp4 (experimental: e2m1 + a float16 scale per 32 channels), quantised on the GPU.  [default: bf16]")
-@click.option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.  [default: the cores / ranks on the node]")
-@click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
-@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
-@click.option("--overwrite", is_flag=True, default=None, help="Replace an existing cache written with other settings.")
-@click.option("--compile", type=click.Choice(["auto", "on", "off"]),
-              help="Compiled target forward, checked against eager on the first batch (off = eager).  [default: on for GPU]")
-@click.option("--tokenize-workers", type=int, help="Processes that tokenise the data (once per job, cached).  [default: every core]")
-@click.option("--tokenize-cache", help="Directory of tokenised datasets shared by ranks and reruns, or 'off'.  "
-                                       "[default: $DFLASH_TOKENIZE_CACHE or ~/.cache/dflash/tokenized]")
-@click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
-@click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3,4).")
-@click.option("--json", "json_out", help="Also write the run summary to this JSON file.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@option("--target", help="The frozen target: a local HF model directory or a .gguf file.")
+@option("--data", help="Chat data: a json/jsonl/parquet file, a glob, a directory, or a save_to_disk dataset "
+        "(OpenAI `messages` or ShareGPT `conversations`).")
+@option("--out", help="Where to write the cache (a directory or an fsspec URL).")
+@option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@option("--split", help="Dataset split.")
+@option("--max-samples", type=int, help="Use only the first N conversations.")
+@option("--seq-len", type=int, help="Row length T: conversations are packed into rows of exactly T tokens.")
+@option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.", default_text="DFlash's rule, K from 1 to L-3")
+@option("--num-context-layers", type=int, help="K for the default layer rule.", default_text="5")
+@option("--rows-per-shard", type=int, help="Rows per committed shard.", default_text="~512 MB of hidden states")
+@option("--batch-rows", type=int, help="Rows per target forward.", default_text="~16k tokens")
+@option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.", default_text="flex on GPU, sdpa on CPU")
+@option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.")
+@option("--hidden-dtype", type=click.Choice(["bf16", "fp8", "fp4"]),
+        help="Stored hidden states: bf16 (exact), fp8 (e4m3 + a scale per token and layer: half the bytes), "
+             "fp4 (experimental: e2m1 + a float16 scale per 32 channels), quantised on the GPU.")
+@option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.", default_text="the cores / ranks on the node")
+@option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
+@option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
+@option("--overwrite", is_flag=True, default=None, help="Replace an existing cache written with other settings.")
+@option("--compile", type=click.Choice(["auto", "on", "off"]),
+        help="Compiled target forward, checked against eager on the first batch (off = eager).", default_text="on for GPU")
+@option("--tokenize-workers", type=int, help="Processes that tokenise the data (once per job, cached).", default_text="every core")
+@option("--tokenize-cache", help="Directory of tokenised datasets shared by ranks and reruns, or 'off'.",
+        default_text="$DFLASH_TOKENIZE_CACHE or ~/.cache/dflash/tokenized")
+@option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
+@option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3,4).")
+@option("--json", "json_out", help="Also write the run summary to this JSON file.")
+@option("--no-progress", is_flag=True, help="No progress bar.")
 def extract(preset, gpus, json_out, no_progress, **flags):
     """Run the frozen target over chat data and write its hidden states to a cache.
 
@@ -229,44 +297,44 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 
 
 @main.command()
-@click.option("--cache", help="The hidden-state cache written by `dflash extract` (never modified).")
-@click.option("--target", help="The target the cache came from (only its embedding, LM head, config and tokenizer are loaded).")
-@click.option("--out", help="The run directory: checkpoints, metrics.jsonl, summary.json and final/ (the servable drafter).")
-@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
-@click.option("--max-steps", type=int, help="Optimizer steps to train for.")
-@click.option("--epochs", type=float, help="Epochs over the cache (instead of --max-steps).  [default: 1]")
-@click.option("--drafter-layers", type=int, help="Drafter decoder layers.  [default: 5]")
-@click.option("--block-size", type=int, help="Block size B: the anchor plus B-1 drafted tokens.  [default: 16]")
-@click.option("--num-anchors", type=int, help="Blocks per row.  [default: 512]")
-@click.option("--gamma", type=float, help="Slot k weighs exp(-(k-1)/gamma).  [default: 7]")
-@click.option("--batch-rows", type=int, help="Rows per micro-batch per GPU.  [default: 4]")
-@click.option("--grad-accum", type=int, help="Micro-batches per optimizer step.  [default: 1]")
-@click.option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).  [default: 6e-4]")
-@click.option("--warmup-ratio", type=float, help="Fraction of steps for linear warm-up.  [default: 0.04]")
-@click.option("--min-lr-ratio", type=float, help="Final lr as a fraction of the peak.  [default: 0]")
-@click.option("--weight-decay", type=float, help="AdamW weight decay.  [default: 0.01]")
-@click.option("--grad-clip", type=float, help="Gradient-norm clip.  [default: 1.0]")
-@click.option("--mask-token-id", type=int, help="Mask token id.  [default: an unused id of the target's vocabulary]")
-@click.option("--seed", type=int, help="Seed for init, data order and anchors.  [default: 0]")
-@click.option("--compile", type=click.Choice(["auto", "on", "off"]), help="Compiled CUDA-graph step (off = eager).  [default: on for GPU, off for CPU]")
-@click.option("--compile-check/--no-compile-check", default=None,
-              help="Before training, compare the compiled step's loss and gradients on the first batch with the eager "
-                   "step's (attention through SDPA); if they disagree, train eagerly and say so.  [default: on]")
-@click.option("--attn", type=click.Choice(["auto", "flex", "split", "sdpa"]),
-              help="Attention: flex (GPU), split (context and own block apart, exact), sdpa (dense mask, the reference).  "
-                   "[default: flex on GPU, split on CPU]")
-@click.option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.  [default: bf16 on GPU, fp32 on CPU]")
-@click.option("--log-every", type=int, help="Steps between metric logs (the only host syncs).  [default: 10]")
-@click.option("--save-every", type=int, help="Steps between checkpoints.  [default: 500]")
-@click.option("--keep-checkpoints", type=int, help="Checkpoints kept in RUN/checkpoints (oldest removed).  [default: 2]")
-@click.option("--loader-threads", type=int, help="Cache decoding threads.  [default: 4]")
-@click.option("--wandb-project", help="Log to this wandb project (rank 0).  [default: off]")
-@click.option("--wandb-run-name", help="wandb run name.")
-@click.option("--wandb-mode", type=click.Choice(["online", "offline", "disabled"]), help="wandb mode (offline needs no account).")
-@click.option("--overwrite", is_flag=True, default=None, help="Start over in an --out that holds another run.")
-@click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
-@click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 5,6,7).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@option("--cache", help="The hidden-state cache written by `dflash extract` (never modified).")
+@option("--target", help="The target the cache came from (only its embedding, LM head, config and tokenizer are loaded).")
+@option("--out", help="The run directory: checkpoints, metrics.jsonl, summary.json and final/ (the servable drafter).")
+@option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@option("--max-steps", type=int, help="Optimizer steps to train for.")
+@option("--epochs", type=float, help="Epochs over the cache (instead of --max-steps).", default_text="1")
+@option("--drafter-layers", type=int, help="Drafter decoder layers.")
+@option("--block-size", type=int, help="Block size B: the anchor plus B-1 drafted tokens.")
+@option("--num-anchors", type=int, help="Blocks per row.")
+@option("--gamma", type=float, help="Slot k weighs exp(-(k-1)/gamma).")
+@option("--batch-rows", type=int, help="Rows per micro-batch per GPU.")
+@option("--grad-accum", type=int, help="Micro-batches per optimizer step.")
+@option("--lr", type=float, help="Peak learning rate (AdamW, warm-up then cosine).")
+@option("--warmup-ratio", type=float, help="Fraction of steps for linear warm-up.")
+@option("--min-lr-ratio", type=float, help="Final lr as a fraction of the peak.")
+@option("--weight-decay", type=float, help="AdamW weight decay.")
+@option("--grad-clip", type=float, help="Gradient-norm clip.")
+@option("--mask-token-id", type=int, help="Mask token id.", default_text="an unused id of the target's vocabulary")
+@option("--seed", type=int, help="Seed for init, data order and anchors.")
+@option("--compile", type=click.Choice(["auto", "on", "off"]), help="Compiled CUDA-graph step (off = eager).", default_text="on for GPU, off for CPU")
+@option("--compile-check/--no-compile-check", default=None,
+        help="Before training, compare the compiled step's loss and gradients on the first batch with the eager "
+             "step's (attention through SDPA); if they disagree, train eagerly and say so.")
+@option("--attn", type=click.Choice(["auto", "flex", "split", "sdpa"]),
+        help="Attention: flex (GPU), split (context and own block apart, exact), sdpa (dense mask, the reference).",
+        default_text="flex on GPU, split on CPU")
+@option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--log-every", type=int, help="Steps between metric logs (the only host syncs).")
+@option("--save-every", type=int, help="Steps between checkpoints.")
+@option("--keep-checkpoints", type=int, help="Checkpoints kept in RUN/checkpoints (oldest removed).")
+@option("--loader-threads", type=int, help="Cache decoding threads.")
+@option("--wandb-project", help="Log to this wandb project (rank 0).", default_text="off")
+@option("--wandb-run-name", help="wandb run name.")
+@option("--wandb-mode", type=click.Choice(["online", "offline", "disabled"]), help="wandb mode (offline needs no account).")
+@option("--overwrite", is_flag=True, default=None, help="Start over in an --out that holds another run.")
+@option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
+@option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 5,6,7).")
+@option("--no-progress", is_flag=True, help="No progress bar.")
 def train(preset, gpus, no_progress, **flags):
     """Train a DFlash drafter from a hidden-state cache.
 
@@ -287,23 +355,23 @@ def train(preset, gpus, no_progress, **flags):
 
 
 @main.command("eval")
-@click.option("--target", help="The target model (HF directory or .gguf).")
-@click.option("--drafter", help="A drafter checkpoint (e.g. RUN/final).")
-@click.option("--data", help="Prompts: a chat dataset; each row's turns before its first assistant turn (or a `prompt` field).")
-@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
-@click.option("--split", help="Dataset split.  [default: train]")
-@click.option("--max-prompts", type=int, help="Evaluate at most N prompts.")
-@click.option("--skip-prompts", type=int, help="Skip the first N rows (e.g. to reach a held-out tail).  [default: 0]")
-@click.option("--max-new-tokens", type=int, help="Tokens to generate per prompt.  [default: 128]")
-@click.option("--ngram-max", type=int, help="Longest n-gram for the prompt-lookup baseline.  [default: 3]")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="[default: bf16 on GPU, fp32 on CPU]")
-@click.option("--device", help="cpu, cuda or cuda:N.")
-@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
-@click.option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
-@click.option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
-@click.option("--draft-graph", is_flag=True, default=None,
-              help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@option("--target", help="The target model (HF directory or .gguf).")
+@option("--drafter", help="A drafter checkpoint (e.g. RUN/final).")
+@option("--data", help="Prompts: a chat dataset; each row's turns before its first assistant turn (or a `prompt` field).")
+@option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@option("--split", help="Dataset split.")
+@option("--max-prompts", type=int, help="Evaluate at most N prompts.")
+@option("--skip-prompts", type=int, help="Skip the first N rows (e.g. to reach a held-out tail).")
+@option("--max-new-tokens", type=int, help="Tokens to generate per prompt.")
+@option("--ngram-max", type=int, help="Longest n-gram for the prompt-lookup baseline.")
+@option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
+@option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
+@option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
+@option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
+@option("--draft-graph", is_flag=True, default=None,
+        help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).")
+@option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_cmd(preset, no_progress, **flags):
     """Measure a drafter by real greedy speculative decoding: tau, speed-up, losslessness.
 
@@ -320,29 +388,29 @@ def eval_cmd(preset, no_progress, **flags):
 
 
 @main.command()
-@click.option("--target", help="The target model that writes the answers: a local HF model directory or a .gguf file.")
-@click.option("--data", help="Chat data: a json/jsonl/parquet file, a glob, a directory, or a save_to_disk dataset "
-              "(OpenAI `messages`, ShareGPT `conversations`, or a `prompt` column).")
-@click.option("--out", help="Directory for the regenerated dataset (`messages` jsonl parts, read by `dflash extract --data`).")
-@click.option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
-@click.option("--split", help="Dataset split.  [default: train]")
-@click.option("--max-samples", type=int, help="Use only the first N conversations.")
-@click.option("--max-new-tokens", type=int, help="Longest answer per assistant turn; longer ones are cut and counted as truncated.  [default: 2048]")
-@click.option("--temperature", type=float, help="Sampling temperature; 0 = greedy.  [default: 0]")
-@click.option("--top-p", type=float, help="Nucleus sampling mass (with --temperature > 0).  [default: 1.0]")
-@click.option("--seed", type=int, help="Sampling seed; a conversation's text depends only on it, its row and the settings.  [default: 0]")
-@click.option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
-@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
-@click.option("--part-size", type=int, help="Conversations per committed part (the unit of resume).  [default: 256]")
-@click.option("--batch-size", type=int, help="Sequences decoded together.  [default: 256 on GPU, 32 on CPU]")
-@click.option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.  [default: from free GPU memory; 4 GiB of cache on CPU]")
-@click.option("--prefill-tokens", type=int, help="Padded prompt tokens per prefill forward.  [default: 16384 on GPU, 2048 on CPU]")
-@click.option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.  [default: bf16 on GPU, fp32 on CPU]")
-@click.option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
-@click.option("--device", help="cpu, cuda or cuda:N.  [default: the local rank's GPU, else cpu]")
-@click.option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3).")
-@click.option("--json", "json_out", help="Also write the run summary to this JSON file.")
-@click.option("--no-progress", is_flag=True, help="No progress bar.")
+@option("--target", help="The target model that writes the answers: a local HF model directory or a .gguf file.")
+@option("--data", help="Chat data: a json/jsonl/parquet file, a glob, a directory, or a save_to_disk dataset "
+        "(OpenAI `messages`, ShareGPT `conversations`, or a `prompt` column).")
+@option("--out", help="Directory for the regenerated dataset (`messages` jsonl parts, read by `dflash extract --data`).")
+@option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@option("--split", help="Dataset split.")
+@option("--max-samples", type=int, help="Use only the first N conversations.")
+@option("--max-new-tokens", type=int, help="Longest answer per assistant turn; longer ones are cut and counted as truncated.")
+@option("--temperature", type=float, help="Sampling temperature; 0 = greedy.")
+@option("--top-p", type=float, help="Nucleus sampling mass (with --temperature > 0).")
+@option("--seed", type=int, help="Sampling seed; a conversation's text depends only on it, its row and the settings.")
+@option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
+@option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
+@option("--part-size", type=int, help="Conversations per committed part (the unit of resume).")
+@option("--batch-size", type=int, help="Sequences decoded together.", default_text="256 on GPU, 32 on CPU")
+@option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.", default_text="from free GPU memory; 4 GiB of cache on CPU")
+@option("--prefill-tokens", type=int, help="Padded prompt tokens per prefill forward.", default_text="16384 on GPU, 2048 on CPU")
+@option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
+@option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
+@option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3).")
+@option("--json", "json_out", help="Also write the run summary to this JSON file.")
+@option("--no-progress", is_flag=True, help="No progress bar.")
 def regenerate(preset, gpus, json_out, no_progress, **flags):
     """Regenerate every assistant turn of a chat dataset with the target itself.
 

@@ -20,6 +20,7 @@ from typing import Any
 
 import dflash_cache
 from dflash.core.config import ConfigError, check
+from dflash.core.io import atomic_jsonl
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -108,11 +109,7 @@ def chitchat_conversations() -> list[dict[str, str]]:
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    os.replace(tmp, path)
+    atomic_jsonl(path, rows)
 
 
 def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
@@ -162,8 +159,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
     # the stages and dflash.core.target load torch: imported here, so that `dflash --help` (which imports this
     # module for CPU_SIZES) starts without it
-    from dflash.core.target import convert_gguf
     from dflash.extract.run import ExtractConfig, run_extract
+    from dflash.core.target import convert_gguf
     from dflash.train.eval import EvalConfig, format_report, run_eval
     from dflash.train.trainer import TrainConfig, run_train
 
@@ -189,9 +186,12 @@ def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
     info = dflash_cache.info(cache)
 
     run = os.path.join(cfg.workdir, f"run-{cfg.responses}")
+    batch_rows = min(cfg.batch_rows, info["rows"])  # a small --train-prompts packs into fewer rows than a batch
+    if batch_rows < cfg.batch_rows:
+        print(f"demo: the cache has {info['rows']} rows: training on batches of {batch_rows} rows", flush=True)
     t = time.perf_counter()
     tr = run_train(TrainConfig(cache=cache, target=target, out=run, drafter_layers=cfg.drafter_layers,
-                               block_size=cfg.block_size, num_anchors=cfg.num_anchors, batch_rows=cfg.batch_rows,
+                               block_size=cfg.block_size, num_anchors=cfg.num_anchors, batch_rows=batch_rows,
                                max_steps=cfg.train_steps, lr=cfg.lr, warmup_ratio=0.05, log_every=20,
                                save_every=max(20, cfg.train_steps // 4), device=cfg.device, progress=cfg.progress))
     timings["train"] = time.perf_counter() - t

@@ -1,7 +1,7 @@
 """The GPU recipe of `dflash demo`: SmolLM2-135M-Instruct + every user turn of chitchat, on one CUDA GPU.
 
 Sizes and hyper-parameters live in the preset configs/demo-gpu.yaml (one section per stage, read with
-dflash.config like every preset; flags of `dflash demo` override a few). Stages, each resumed when rerun
+dflash.core.config like every preset; flags of `dflash demo` override a few). Stages, each resumed when rerun
 into the same workdir:
 
     prepare target (bundled GGUF -> bf16 folder)
@@ -29,6 +29,7 @@ from typing import Any
 
 from dflash.core.config import ConfigError, build, check, read_preset
 from dflash.core.dist import atomic_json
+from dflash.core.io import atomic_jsonl
 
 PRESET = "demo-gpu"
 
@@ -154,11 +155,7 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        for r in rows:
-            f.write(json.dumps(r, ensure_ascii=False) + "\n")
-    os.replace(tmp, path)
+    atomic_jsonl(path, rows, ensure_ascii=False)
 
 
 def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict]:

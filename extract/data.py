@@ -1,7 +1,8 @@
 """Chat data for extraction: tokenise conversations with the target's chat template and a loss mask that is 1
-exactly on what the assistant produces (loading and normalising a dataset is dflash.core.chat's part).
+exactly on what the assistant produces. Loading a dataset and normalising its rows live in dflash.core.chat (eval
+needs them too); their names are re-exported here.
 
-    ds = load_chat_dataset("chats.jsonl", max_samples=10_000)  # dflash.core.chat
+    ds = load_chat_dataset("chats.jsonl", max_samples=10_000)
     chat_tok = ChatTokenizer(tokenizer)                       # the target's tokenizer + chat template
     data = tokenize_dataset(ds, chat_tok, seq_len=4096, source="chats.jsonl")
     print(data.summary())                                     # counts: used / truncated / skipped
@@ -13,7 +14,6 @@ the dataset) and the field. Nothing is dropped silently: skipped and truncated c
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import os
@@ -23,9 +23,19 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dflash.core.chat import DataError, to_messages
+from dflash.core.chat import (
+    REGENERATE_META,
+    ROLES,
+    DataError,
+    iter_row_batches,
+    load_chat_dataset,
+    row_messages,
+    to_messages,
+)
+from dflash.core.io import short_hash
 
 
+# ----------------------------------------------------------------------------------------------------------------
 # chat template -> text, supervised character spans -> tokens, loss mask
 
 _SENTINEL = "\ue000DFLASH\ue001"  # private-use characters: never in real data, untouched by trim/strip filters
@@ -206,12 +216,6 @@ class ChatTokenizer:
 # fingerprints
 
 
-def _short_sha(payload: bytes | str) -> str:
-    if isinstance(payload, str):
-        payload = payload.encode("utf-8")
-    return hashlib.sha256(payload).hexdigest()[:16]
-
-
 def tokenizer_fingerprint(tokenizer) -> str:
     """Short stable hash of what the tokenizer does: its serialized backend (vocab, merges, normalizer,
     pre-tokenizer, added tokens; not transient truncation/padding state) and its special tokens."""
@@ -224,12 +228,12 @@ def tokenizer_fingerprint(tokenizer) -> str:
     else:  # slow tokenizer: the vocabulary
         body = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
     special = json.dumps(getattr(tokenizer, "special_tokens_map", {}), sort_keys=True, default=str)
-    return _short_sha(body + "\0" + special)
+    return short_hash(body + "\0" + special)
 
 
 def chat_template_fingerprint(template: str, kwargs: dict | None) -> str:
     """Short stable hash of a chat template and the keyword arguments it is rendered with."""
-    return _short_sha(json.dumps({"chat_template": template, "kwargs": kwargs or {}}, sort_keys=True, default=repr))
+    return short_hash(json.dumps({"chat_template": template, "kwargs": kwargs or {}}, sort_keys=True, default=repr))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -268,23 +272,6 @@ class TokenizedData:
                 f"{self.supervised_tokens} supervised")
 
 
-def _iter_batches(ds, batch_size: int, source: str):
-    """Yield lists of row dicts (only the conversation columns) from a datasets.Dataset or a list of dicts."""
-    names = getattr(ds, "column_names", None)
-    if names is not None and hasattr(ds, "iter"):
-        cols = [c for c in ("messages", "conversations") if c in names]
-        if not cols:
-            raise DataError(f"{source}, row 0: no 'messages' (OpenAI format) or 'conversations' (ShareGPT format) "
-                            f"field; fields are: {', '.join(names) or '(none)'}")
-        for batch in ds.select_columns(cols).with_format(None).iter(batch_size=batch_size):
-            n = len(batch[cols[0]])
-            yield [{c: batch[c][j] for c in cols} for j in range(n)]
-    else:
-        rows = list(ds)
-        for b in range(0, len(rows), batch_size):
-            yield rows[b:b + batch_size]
-
-
 def tokenize_dataset(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, progress: bool = True,
                      batch_size: int = 256, first_row: int = 0, allow_empty: bool = False) -> TokenizedData:
     """Normalise, render and tokenise every row (tokenizer calls batched by `batch_size`), cut to seq_len tokens.
@@ -306,7 +293,7 @@ def tokenize_dataset(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, pro
                disable=not progress or not sys.stderr.isatty(), dynamic_ncols=True)
     row = int(first_row)
     try:
-        for batch in _iter_batches(ds, batch_size, source):
+        for batch in iter_row_batches(ds, source, batch_size=batch_size):
             texts, spans, rows = [], [], []
             for example in batch:
                 where = f"{source}, row {row}"
@@ -364,9 +351,7 @@ def check_usable(out: TokenizedData, source: str) -> None:
 
 def data_fingerprint(tokenized: TokenizedData) -> str:
     """Short stable hash of the kept documents' ids and loss masks, in order."""
-    h = hashlib.sha256()
-    for ids, mask in tokenized.docs:
-        h.update(np.array(len(ids), dtype="<i8").tobytes())
-        h.update(np.ascontiguousarray(ids, dtype="<i4").tobytes())
-        h.update(np.ascontiguousarray(mask, dtype=np.uint8).tobytes())
-    return h.hexdigest()[:16]
+    return short_hash(chunk for ids, mask in tokenized.docs
+                      for chunk in (np.array(len(ids), dtype="<i8").tobytes(),
+                                    np.ascontiguousarray(ids, dtype="<i4").tobytes(),
+                                    np.ascontiguousarray(mask, dtype=np.uint8).tobytes()))

@@ -2,7 +2,8 @@
 causal LM (no `model.generate`). Kept apart from the command (extract/regenerate.py) so benchmarks and other
 commands can use it alone:
 
-    generate(model, prompts, eos_ids=..., max_new_tokens=256)      # prompts in, Results out (tests, bench)
+    generate(model, prompts, eos_ids=..., max_new_tokens=256)      # prompts in, Results out (tests, bench);
+                                                                    # eos ids: dflash.core.chat.eos_ids_of
     Engine(model, ...).add(Request(...)); Engine.step() until idle  # the streaming form the command drives
 
 The generator (Engine) is a plain decoding loop over the HF causal LM (no `model.generate`):
@@ -245,16 +246,6 @@ class _Row:
     req: Request
     out: list[int] = field(default_factory=list)
     done: bool = False  # finished, still in the batch until the next compaction (its tokens are ignored)
-
-
-def eos_ids_of(model, tokenizer=None) -> set[int]:
-    """End-of-sequence ids: the tokenizer's eos plus the model's generation_config eos ids."""
-    ids: list = []
-    for src in (getattr(tokenizer, "eos_token_id", None),
-                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
-                getattr(text_config(model.config), "eos_token_id", None) if tokenizer is None else None):
-        ids += src if isinstance(src, (list, tuple)) else [src]
-    return {int(i) for i in ids if i is not None}
 
 
 def check_attention_only(cfg, name: str) -> None:

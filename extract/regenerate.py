@@ -22,6 +22,7 @@ block lets `datasets.load_dataset(OUT)` find the parts.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import math
 import os
@@ -34,9 +35,10 @@ from typing import Any
 import torch
 
 from dflash.core import progress
-from dflash.core.chat import DataError, load_chat_dataset, to_messages
+from dflash.core.chat import DataError, REGENERATE_META, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import ConfigError, check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.core.io import TEMPORARY_GLOB, atomic_write
 from dflash.core.paths import output_lock
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info
 from dflash_cache.lock import LOCK_NAME
@@ -47,7 +49,6 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
     Request,
     Result,
     check_attention_only,
-    eos_ids_of,
     generate,
     kv_bytes_per_token,
     plan_engine,
@@ -59,7 +60,7 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
-META_NAME = "dflash_regenerate.json"  # extract.data skips this name when it scans a directory
+META_NAME = REGENERATE_META  # the dataset loader skips this name when it scans a directory
 PART_RE = re.compile(r"^part-(\d{5,})\.jsonl$")
 
 
@@ -139,11 +140,7 @@ class Conversation:
 def conversation(example, row: int, source: str) -> tuple[Conversation | None, str | None]:
     """(conversation, None) or (None, reason it is skipped). A row without any assistant turn (e.g. a prompt
     dataset, or a `prompt` column) gets one assistant turn appended; bad rows raise DataError."""
-    if isinstance(example, dict) and example.get("messages") is None and example.get("conversations") is None \
-            and isinstance(example.get("prompt"), str):
-        messages = [{"role": "user", "content": example["prompt"]}]
-    else:
-        messages = to_messages(example, row, source)
+    messages = row_messages(example, row, source, prompt=True)
     first_user = next((i for i, m in enumerate(messages) if m["role"] == "user"), None)
     turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
     if first_user is None or (turns and turns[0] < first_user):
@@ -152,22 +149,6 @@ def conversation(example, row: int, source: str) -> tuple[Conversation | None, s
         messages = [*messages, {"role": "assistant", "content": ""}]
         turns = [len(messages) - 1]
     return Conversation(row, messages, turns), None
-
-
-def _iter_rows(ds, lo: int, hi: int, source: str):
-    names = getattr(ds, "column_names", None)
-    if names is not None and hasattr(ds, "select"):
-        cols = [c for c in ("messages", "conversations", "prompt") if c in names]
-        if not cols:
-            raise DataError(f"{source}, row {lo}: no 'messages' (OpenAI format) or 'conversations' (ShareGPT format) "
-                            f"field; fields are: {', '.join(names) or '(none)'}")
-        sub = ds.select(range(lo, hi)).select_columns(cols).with_format(None)
-        for batch in sub.iter(batch_size=256):
-            n = len(batch[cols[0]])
-            for j in range(n):
-                yield {c: batch[c][j] for c in cols}
-    else:
-        yield from list(ds)[lo:hi]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -197,12 +178,7 @@ def committed_parts(out: str) -> set[int]:
 
 
 def _atomic_write(path: str, text: str) -> None:
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    atomic_write(path, text, durable=True)  # resume skips a committed part on its word: fsync before the rename
 
 
 def read_meta(out: str) -> dict | None:
@@ -242,6 +218,7 @@ def _remove_ours(out: str) -> None:
 
 def check_out(out: str) -> dict | None:
     """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into)."""
+
     old = read_meta(out) if os.path.isdir(out) else None
     entries = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_NAME)) if os.path.isdir(out) else []
     if old is None and entries:
@@ -263,7 +240,7 @@ def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
         _atomic_write(os.path.join(out, META_NAME), json.dumps(meta, indent=2, sort_keys=True) + "\n")
         _atomic_write(os.path.join(out, "README.md"), dataset_card(meta))
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
-    for stale in glob.glob(os.path.join(out, "data", ".*.tmp-*")):  # left by a killed run: never a committed part
+    for stale in glob.glob(os.path.join(out, "data", TEMPORARY_GLOB)):  # left by a killed run: never a committed part
         os.remove(stale)
 
 
@@ -323,12 +300,14 @@ def finalize(out: str, meta: dict) -> dict | None:
 
 
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
+
     dist = compute_init(cfg.device)
     with output_lock(cfg.out, "regenerate", dist.is_main, precheck=check_out):  # one writer per OUT
         return _run_regenerate(cfg, dist)
 
 
 def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
+
     dev = dist.device
     dtype = resolve_dtype(cfg.dtype, dev)
     show = cfg.progress and dist.is_main
@@ -406,7 +385,8 @@ def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
     for p in todo:
         lo, hi = p * cfg.part_size, min(len(ds), (p + 1) * cfg.part_size)
         convs, stats = [], _new_stats()
-        for r, ex in zip(range(lo, hi), _iter_rows(ds, lo, hi, cfg.data)):
+        rows = itertools.chain.from_iterable(iter_row_batches(ds, cfg.data, prompt=True, lo=lo, hi=hi))
+        for r, ex in zip(range(lo, hi), rows):
             c, why = conversation(ex, r, cfg.data)
             stats["rows"] += 1
             if c is None:

@@ -21,7 +21,6 @@ Contract:
 
 from __future__ import annotations
 
-import hashlib
 import json
 import multiprocessing as mp
 import os
@@ -30,6 +29,8 @@ import tempfile
 import time
 
 import numpy as np
+
+from dflash.core.io import short_hash
 
 from .data import ChatTokenizer, TokenizedData, check_usable, data_fingerprint, tokenize_dataset, tokenizer_fingerprint
 
@@ -76,7 +77,7 @@ def cache_key(ds, source: str, chat_tok: ChatTokenizer, seq_len: int) -> str | N
         return None
     payload = json.dumps([FORMAT, fp, os.path.abspath(str(source)), len(ds), tokenizer_fingerprint(chat_tok.tokenizer),
                           chat_tok.fingerprint, int(seq_len)])
-    return hashlib.sha256(payload.encode()).hexdigest()[:24]
+    return short_hash(payload, chars=24)
 
 
 def _flatten(part: TokenizedData):

@@ -85,6 +85,20 @@ def test_the_commands_start_without_torch():
     assert r.stdout.split()[0] == "False" and r.stdout.strip().endswith("[]"), r.stdout
 
 
+def test_every_command_help_resolves_the_stages_by_their_dflash_names():
+    """--help of each command imports its config dataclass by module name (the defaults it shows): those names
+    are dflash.extract.* / dflash.train.*; no top-level `extract` or `train` module is ever loaded."""
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom dflash.cli import main\n"
+            "for cmd in ('extract', 'train', 'eval', 'regenerate', 'demo', 'cache'):\n"
+            "    r = CliRunner().invoke(main, [cmd, '--help'])\n"
+            "    assert r.exit_code == 0, (cmd, r.output, r.exception)\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('extract', 'train')))")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.strip().splitlines()[-1] == "[]", r.stdout
+
+
 # ------------------------------------------------------------------------------------------------ static
 
 
@@ -102,7 +116,8 @@ def _layer_of_file(rel: Path) -> str | None:
 
 
 def _imported_modules(path: Path, rel: Path) -> list[tuple[int, str]]:
-    """(line, absolute module name) of every import in the file, function bodies included."""
+    """(line, absolute module name) of every import in the file, function bodies included, and of every string
+    literal that names a stage module by a top-level name ("extract.run": importlib, monkeypatch targets)."""
     tree = ast.parse(path.read_text(), str(path))
     if rel.parts[0] in ("extract", "train"):
         package = ["dflash", *rel.parts[:-1]]
@@ -120,6 +135,11 @@ def _imported_modules(path: Path, rel: Path) -> list[tuple[int, str]]:
                 mod = node.module or ""
             # `from pkg import sub` may import a submodule: count it as pkg.sub
             out += [(node.lineno, f"{mod}.{a.name}") for a in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            first = node.value.split(".")[0]
+            if first in STAGES and "." in node.value and node.value.replace(".", "").replace("_", "").isalnum():
+                if (STAGES[first] / (node.value.split(".")[1] + ".py")).exists():
+                    out.append((node.lineno, node.value))
     return out
 
 
@@ -174,6 +194,7 @@ def test_the_static_check_catches_a_cross_stage_import_in_a_function_body(tmp_pa
         ("core", "from dflash.train import trainer"): "imports no stage",
         ("dflash_cache", "from dflash.core.errors import DflashError"): "imports nothing of dflash",
         ("train", "from extract.target import load_config"): "top-level stage name",
+        ("core", "importlib.import_module('train.trainer')"): "top-level stage name",
     }
     folders = {"extract": Path("extract"), "train": Path("train"), "core": Path("dflash/core"),
                "dflash_cache": Path("dflash_cache")}

@@ -14,6 +14,7 @@ must equal the target-only output: exact in float32; in bf16 on GPU the match ra
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 
 from dflash.core import progress
-from dflash.core.chat import DataError, load_chat_dataset, to_messages
+from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check
 from dflash.core.dist import compute_init, resolve_dtype
 from dflash.core.target import LayerCapture, decoder_layers, load_causal_lm, load_tokenizer
@@ -451,13 +452,9 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
     lo = min(cfg.skip_prompts, n)
     hi = n if cfg.max_prompts is None else min(n, lo + cfg.max_prompts)
     prompts = []
-    for row in range(lo, hi):
-        ex = ds[row]
-        if "prompt" in ex and "messages" not in ex and "conversations" not in ex:
-            msgs = [{"role": "user", "content": str(ex["prompt"])}]
-        else:
-            msgs = to_messages(ex, row, cfg.data)
-        msgs = prompt_messages(msgs, row, cfg.data)
+    rows = itertools.chain.from_iterable(iter_row_batches(ds, cfg.data, prompt=True, lo=lo, hi=hi))
+    for row, ex in zip(range(lo, hi), rows):
+        msgs = prompt_messages(row_messages(ex, row, cfg.data, prompt=True), row, cfg.data)
         ids = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **cfg.chat_template_kwargs)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):
@@ -542,6 +539,7 @@ def plot_acceptance(path: str, results: list[dict], block_size: int) -> None:
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+
     dev = compute_init(cfg.device).device
     dtype = resolve_dtype(cfg.dtype, dev)
     tok = load_tokenizer(cfg.target)
@@ -551,12 +549,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     drafter.eval()
     target = Target(model, drafter.cfg.target_layer_ids)
     prompts = load_prompts(cfg, tok)
-    eos = set()
-    if cfg.stop_at_eos:
-        ids = tok.eos_token_id if isinstance(tok.eos_token_id, list) else [tok.eos_token_id]
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        ids += gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        eos = {int(i) for i in ids if i is not None}
+    eos = eos_ids_of(model, tok) if cfg.stop_at_eos else set()
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
     dflash = DFlashProposer(drafter, max_len, graph=cfg.draft_graph)

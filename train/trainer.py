@@ -36,6 +36,7 @@ from dflash.core import progress
 from dflash.core.config import ConfigError, check
 from dflash.core.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
 from dflash.core.errors import DflashError
+from dflash.core.io import atomic_write
 from dflash.core.paths import check_output_dir, inside, is_url, output_lock
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, resolve_target, target_info, text_config
 from dflash.core.weights import check_roles
@@ -143,6 +144,7 @@ IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", 
 
 def load_target_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(embedding weight, LM head weight) of the target, reading only those tensors when possible."""
+
     d, gguf = resolve_target(path)
     cfg = text_config(load_config(path))
     if gguf is None:
@@ -249,6 +251,7 @@ def _describe_dir(out: str, entries: list[str]) -> str:
 def check_out_path(cfg: TrainConfig) -> None:
     """Before anything is written: --out may be a new or empty directory or a dflash train run directory, never
     a file, a user's folder, a cache, nor anything holding or inside the cache this run reads."""
+
     check_output_dir(cfg.out, "out")
     if not is_url(cfg.cache) and (inside(cfg.cache, cfg.out) or inside(cfg.out, cfg.cache)):
         how = "is" if os.path.realpath(cfg.cache) == os.path.realpath(cfg.out) else (
@@ -309,9 +312,7 @@ def drop_metrics_after(out: str, step: int) -> None:
     if os.path.exists(metrics):
         with open(metrics) as f:
             keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-        with open(metrics + ".tmp", "w") as f:
-            f.writelines(keep)
-        os.replace(metrics + ".tmp", metrics)
+        atomic_write(metrics, "".join(keep))
 
 
 class DiskWriteError(TrainError):
@@ -380,9 +381,7 @@ def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     with writing(os.path.join(ck, "latest"), last_good):
-        with open(os.path.join(ck, "latest.tmp"), "w") as f:
-            f.write(name)
-        os.replace(os.path.join(ck, "latest.tmp"), os.path.join(ck, "latest"))
+        atomic_write(os.path.join(ck, "latest"), name)
     olds = sorted(d for d in os.listdir(ck) if d.startswith("step_") and not d.endswith(".tmp"))
     for d in olds[:-keep]:
         shutil.rmtree(os.path.join(ck, d), ignore_errors=True)
@@ -815,6 +814,7 @@ def _compile_count() -> int:
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
     """The command; rank 0 of the job holds the lock of --out throughout (one writer per run directory)."""
+
     with output_lock(cfg.out, "train", int(os.environ.get("RANK", 0)) == 0, precheck=lambda _: check_out_path(cfg)):
         return _run_train(cfg)
 

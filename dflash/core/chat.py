@@ -1,10 +1,16 @@
-"""Chat datasets as both stages read them: load a dataset, normalise each row to a list of messages.
+"""Chat datasets, shared by extraction, regeneration and eval: load local files, normalise a row to messages,
+iterate rows, and the end-of-sequence ids generation stops at.
 
-    ds = load_chat_dataset("chats.jsonl", max_samples=10_000)   # json/jsonl/parquet, a folder, a saved dataset
-    msgs = to_messages(ds[row], row, source="chats.jsonl")      # [{"role", "content"}], OpenAI or ShareGPT rows
+    ds = load_chat_dataset("chats.jsonl", max_samples=10_000)   # a datasets.Dataset, local files only
+    for batch in iter_row_batches(ds, "chats.jsonl"):         # lists of row dicts, only the chat columns
+        msgs = row_messages(batch[0], 0, "chats.jsonl")       # [{"role", "content"}, ...]
 
-Every problem with the input raises DataError with a message that names the file, the row (0-based index in
-the dataset) and the field. Tokenising with the target's chat template is extraction's part (extract/data.py).
+A row is a conversation in the OpenAI format (`messages`: [{role, content}]) or the ShareGPT format
+(`conversations`: [{from, value}]); where `prompt=True` (regenerate, eval), a row with neither may instead
+have a `prompt` string, read as one user turn. Every problem with the input raises DataError with a message
+that names the file, the row (0-based index in the dataset) and the field. A directory written by
+`dflash regenerate` carries REGENERATE_META beside its parts: that file is not data, and a directory whose
+record says it is incomplete is refused.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 
 from dflash.core.errors import DflashError
 
@@ -49,7 +55,7 @@ def _is_saved_dataset(directory: str) -> bool:
     )
 
 
-_REGENERATE_META = "dflash_regenerate.json"  # written beside its parts by `dflash regenerate`: not data
+REGENERATE_META = "dflash_regenerate.json"  # written beside its parts by `dflash regenerate`: not data
 
 
 def _data_files_under(directory: str) -> list[str]:
@@ -57,14 +63,14 @@ def _data_files_under(directory: str) -> list[str]:
     for root, dirs, names in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         files.extend(os.path.join(root, n) for n in names
-                     if not n.startswith(".") and n != _REGENERATE_META and _file_kind(n))
+                     if not n.startswith(".") and n != REGENERATE_META and _file_kind(n))
     return sorted(files)
 
 
 def _check_regenerated(directory: str) -> None:
     """A `dflash regenerate` output must be complete: a partial one would be used as if it were the whole."""
     try:
-        with open(os.path.join(directory, _REGENERATE_META), encoding="utf-8") as f:
+        with open(os.path.join(directory, REGENERATE_META), encoding="utf-8") as f:
             meta = json.load(f)
     except (OSError, ValueError):
         return
@@ -306,4 +312,48 @@ def to_messages(example: dict, row: int, source: str) -> list[dict]:
                     f"fields are: {', '.join(map(str, example)) or '(none)'}")
 
 
+def row_messages(example, row: int, source: str, *, prompt: bool = False) -> list[dict]:
+    """to_messages, and with prompt=True: a row without `messages`/`conversations` (absent or null) whose
+    `prompt` is a string is one user turn (prompt datasets for regenerate and eval)."""
+    if prompt and isinstance(example, Mapping) and example.get("messages") is None \
+            and example.get("conversations") is None and isinstance(example.get("prompt"), str):
+        return [{"role": "user", "content": example["prompt"]}]
+    return to_messages(example, row, source)
+
+
+def iter_row_batches(ds, source: str, *, prompt: bool = False, lo: int = 0, hi: int | None = None,
+                     batch_size: int = 256) -> Iterator[list[dict]]:
+    """Rows lo..hi of a datasets.Dataset (or a list of dicts) in lists of up to batch_size row dicts holding
+    only the chat columns (`messages`, `conversations`, and `prompt` when prompt=True). A dataset without any
+    of them is a DataError naming its fields."""
+    names = getattr(ds, "column_names", None)
+    hi = len(ds) if hi is None else hi
+    if names is not None and hasattr(ds, "select"):
+        cols = [c for c in ("messages", "conversations", *(("prompt",) if prompt else ())) if c in names]
+        if not cols:
+            raise DataError(f"{source}, row {lo}: no 'messages' (OpenAI format) or 'conversations' (ShareGPT format) "
+                            f"field; fields are: {', '.join(names) or '(none)'}")
+        sub = ds if (lo, hi) == (0, len(ds)) else ds.select(range(lo, hi))
+        for batch in sub.select_columns(cols).with_format(None).iter(batch_size=batch_size):
+            n = len(batch[cols[0]])
+            yield [{c: batch[c][j] for c in cols} for j in range(n)]
+    else:
+        rows = list(ds)[lo:hi]
+        for b in range(0, len(rows), batch_size):
+            yield rows[b:b + batch_size]
+
+
 # ----------------------------------------------------------------------------------------------------------------
+# generation
+
+
+def eos_ids_of(model, tokenizer=None) -> set[int]:
+    """End-of-sequence ids: the tokenizer's eos plus the model's generation_config eos ids (without a
+    tokenizer: the model config's own eos too)."""
+    ids: list = []
+    config = getattr(model.config, "text_config", None) or model.config
+    for src in (getattr(tokenizer, "eos_token_id", None),
+                getattr(getattr(model, "generation_config", None), "eos_token_id", None),
+                getattr(config, "eos_token_id", None) if tokenizer is None else None):
+        ids += src if isinstance(src, (list, tuple)) else [src]
+    return {int(i) for i in ids if i is not None}

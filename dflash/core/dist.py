@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.core.config import ConfigError
+from dflash.core.io import atomic_json  # noqa: F401  (re-exported: callers import it from here)
 
 
 @dataclass
@@ -32,6 +33,7 @@ def under_torchrun() -> bool:
 
 def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
     """--device: auto, cpu, cuda or cuda:N, checked against this machine (an error naming the flag)."""
+
     if device in (None, "auto"):
         return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
     try:
@@ -52,6 +54,7 @@ def parse_device(device: str | None, local_rank: int = 0) -> torch.device:
 
 def check_gpu_ids(ids: list[str]) -> None:
     """--gpus: ids that exist on this machine (torchrun would otherwise train on the CPU without a word)."""
+
     if not torch.cuda.is_available():
         raise ConfigError(f"--gpus {','.join(ids)}: this machine has no usable CUDA device; "
                           "run without --gpus to use the CPU")
@@ -92,23 +95,6 @@ def barrier() -> None:
 def print0(*args, **kwargs) -> None:
     if int(os.environ.get("RANK", 0)) == 0:
         print(*args, **kwargs, flush=True)
-
-
-def atomic_json(path: str, obj) -> None:
-    """Write obj as JSON under a temporary name, then rename: readers never see half a file."""
-    import json
-
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        try:  # no temporary file left behind (disk full, a directory in the way, ...)
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
 
 
 def write_json0(path: str, obj) -> None:

@@ -11,7 +11,6 @@ cache's metadata; convert_gguf dequantises a GGUF model once into a save_pretrai
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from typing import Any
 import torch
 
 from dflash.core.errors import DflashError
+from dflash.core.io import short_hash
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,15 @@ def config_fingerprint(cfg) -> str:
     for k in ("_name_or_path", "transformers_version", "torch_dtype", "dtype", "_attn_implementation_autoset",
               "attn_implementation", "_attn_implementation"):
         d.pop(k, None)
-    return hashlib.sha256(json.dumps(d, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    return short_hash(json.dumps(d, sort_keys=True, default=str))
 
 
 def weights_fingerprint(path: str) -> str:
     """Cheap identity of the weight files: names and sizes. Not proof of the same weights (a fine-tune has the same
-    names and sizes): the content fingerprint is dflash.weights, recorded in a cache as info.weights."""
+    names and sizes): the content fingerprint is dflash.core.weights, recorded in a cache as info.weights."""
     d, gguf = resolve_target(path)
     files = [gguf] if gguf else sorted(f for f in os.listdir(d) if f.endswith((".safetensors", ".bin", ".pt")))
-    return hashlib.sha256(json.dumps([(f, os.path.getsize(os.path.join(d, f))) for f in files]).encode()).hexdigest()[:16]
+    return short_hash(json.dumps([(f, os.path.getsize(os.path.join(d, f))) for f in files]))
 
 
 def _truncated_config(cfg, num_layers: int):

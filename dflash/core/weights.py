@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from dflash.core.errors import DflashError
+from dflash.core.io import short_hash
 
 SCHEME = "sha256-tree-16MiB-v1"
 PIECE = 16 << 20
@@ -203,7 +204,7 @@ def default_threads() -> int:
 
 
 def combined_digest(tensors: dict[str, str]) -> str:
-    return hashlib.sha256(json.dumps(sorted(tensors.items())).encode()).hexdigest()[:DIGEST_CHARS]
+    return short_hash(json.dumps(sorted(tensors.items())), chars=DIGEST_CHARS)
 
 
 def fingerprint(path: str, names: Iterable[str] | None = None, *, threads: int | None = None,
