@@ -20,7 +20,7 @@ import dflash_cache
 from dflash.core.config import build, parse_int_list, parse_kv
 from dflash.core.errors import DflashError
 from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
-from dflash.demo import CPU_SIZES
+from dflash.demo import CPU_SIZES, DemoConfig, run_demo
 from dflash_cache.inspect import uncommit
 from dflash_cache.lock import OutputLock
 
@@ -463,8 +463,6 @@ def demo(no_progress, **kw):
     prompt lookup on held-out prompts. The CPU recipe fits a 2-core CPU in about 15 minutes; the GPU
     recipe (every user turn of chitchat, a block-8 drafter) one H200 in under 10. Rerun to resume.
     """
-    from dflash.demo import DemoConfig, run_demo
-
     run_demo(DemoConfig(**kw, progress=not no_progress))
 
 

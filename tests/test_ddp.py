@@ -55,7 +55,7 @@ WEIGHT_ATOL = 1e-5
 DUMPING = """
 import os, sys
 from safetensors.torch import save_file
-import train.trainer as t
+import dflash.train.trainer as t
 _train = t.Trainer.train
 def train(self):
     out = _train(self)

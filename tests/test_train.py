@@ -314,7 +314,7 @@ def test_no_compile_check_flag(env, tmp_path):
 # reliably where the test wants it rather than after the end of the run.
 THROTTLED = """
 import sys, time
-import train.trainer as t
+import dflash.train.trainer as t
 _scores = t.Trainer.anchor_scores
 def slow(self, *a):
     time.sleep(0.1)
