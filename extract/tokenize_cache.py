@@ -201,7 +201,7 @@ def tokenize_cached(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, cach
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     if dist is not None and dist.distributed:
-        from dflash.core.dist import barrier
+        from dflash.core.dist import barrier  # lazy: this module stays torch-free (dist loads torch)
 
         barrier()
     data = _load(final)

@@ -481,7 +481,7 @@ class DFlashDrafter(nn.Module):
         """[*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
         cache's stored form (fp8 bytes or packed fp4, dflash_cache.quant), dequantised here on the device."""
         if hidden_scales is not None:
-            from dflash_cache.quant import dequantize
+            from dflash_cache.quant import dequantize  # lazy: the cache package only for fp8/fp4
 
             hidden = dequantize(hidden, hidden_scales, self.fc.weight.dtype)
         return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
