@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import train.model as M  # noqa: E402
+import train.blocks as M  # noqa: E402
 from bench.common import hardware  # noqa: E402
 from bench.train import synthetic_rows  # noqa: E402
 

@@ -24,7 +24,9 @@ import torch
 
 from dflash.config import check
 
-from .model import DFlashDrafter, attend, load_drafter, rope_cos_sin
+from .blocks import attend
+from .checkpoint import load_drafter
+from .model import DFlashDrafter, rope_cos_sin
 
 
 @dataclass

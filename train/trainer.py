@@ -37,7 +37,8 @@ from dflash.config import ConfigError, check
 from dflash.dist import atomic_json, barrier, compute_init, print0, resolve_dtype
 from dflash.errors import DflashError
 
-from .model import DFlashDrafter, DrafterConfig, save_drafter
+from .checkpoint import save_drafter
+from .model import DFlashDrafter, DrafterConfig
 
 # The compiled step passes its check when its first-batch loss and gradients are those of the eager step up to
 # bf16 rounding. Measured at the Qwen3-8B shape on an H200: eager bf16 vs float32 differ by 1e-5 (loss) and
