@@ -296,6 +296,22 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask, impl: str = "sdpa") -> torch.Tensor:
+        """The decoder layer, for training and drafting alike: block tokens x [b, L, H] at the positions of
+        cos/sin [b, L, hd] attend to the context's keys/values k_ctx/v_ctx [b, nkv, Tc, hd] (made by this
+        layer's k_proj/v_proj, see Attention.kv) followed by their own, under mask: a bool [b, 1, L, Tc + L]
+        or None (impl "sdpa"), a BlockMask ("flex"), or split_mask's masks ("split", train/attention.py)."""
+        att = self.self_attn
+        h = self.input_layernorm(x)
+        k_blk, v_blk = att.kv(h, cos, sin)
+        q = att.q(h, cos, sin)
+        if impl == "split":  # context and own block apart, merged exactly (train/attention.py)
+            o = split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
+        else:
+            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, impl)
+        x = x + att.out(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 # --------------------------------------------------------------------------------------------
 # The drafter
@@ -393,17 +409,9 @@ class DFlashDrafter(nn.Module):
         return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
 
     def _layer(self, layer: Layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask):
-        att = layer.self_attn
-        h = layer.input_layernorm(x)
-        k_ctx, v_ctx = att.kv(ctx, ctx_cos, ctx_sin)
-        k_blk, v_blk = att.kv(h, q_cos, q_sin)
-        q = att.q(h, q_cos, q_sin)
-        if self.attn_impl == "split":  # context and own block apart, merged exactly (train/attention.py)
-            o = split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
-        else:
-            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, self.attn_impl)
-        x = x + att.out(o)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        """One layer in training: the context features' keys/values [R, nkv, T, hd], then the layer."""
+        k_ctx, v_ctx = layer.self_attn.kv(ctx, ctx_cos, ctx_sin)
+        return layer(x, q_cos, q_sin, k_ctx, v_ctx, mask, self.attn_impl)
 
     # -- inference: one block after a growing context ---------------------------------------------
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> "ContextCache":
@@ -428,18 +436,11 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         n = cache.length
         for i, layer in enumerate(self.layers):
-            att = layer.self_attn
-            h = layer.input_layernorm(x)
-            k_blk, v_blk = att.kv(h, cos, sin)
-            q = att.q(h, cos, sin)
-            k_ctx, v_ctx = cache.k[i][:, :, :n], cache.v[i][:, :, :n]
             mask = None
-            if att.window is not None:  # keys within the window of each query
+            if layer.self_attn.window is not None:  # keys within the window of each query
                 kpos = torch.cat([cache.pos[:, :n], positions], 1)
-                mask = (positions[:, :, None] - kpos[:, None, :] < att.window)[:, None]
-            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, "sdpa")
-            x = x + att.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                mask = (positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
+            x = layer(x, cos, sin, cache.k[i][:, :, :n], cache.v[i][:, :, :n], mask)
         return self.logits(x[:, 1:])
 
 
