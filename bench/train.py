@@ -93,7 +93,7 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
     r = {
         "compile": compile_, "attn": attn, "step_ms": ms,
         "ctx_tok_s": rows * T / ms * 1000, "block_tok_s": rows * anchors * block / ms * 1000,
-        "mfu": tr.flops / (ms / 1000) / 989e12 if torch.cuda.is_available() else None,
+        "mfu": tr.flops / (ms / 1000) / tr.peak if tr.peak else None,  # the chip's peak (train/schedule.py)
         "tflops": tr.flops / (ms / 1000) / 1e12,
         "recompiles": res["recompiles_after_warmup"],
         "data_wait": float(np.mean([h["data_wait_frac"] for h in hist])),
