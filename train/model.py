@@ -297,7 +297,7 @@ class Layer(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, k_ctx, v_ctx, mask, impl: str = "sdpa") -> torch.Tensor:
-        """The decoder layer, for training and drafting alike: block tokens x [b, L, H] at the positions of
+        """Step 3, for training and drafting alike: block tokens x [b, L, H] at the positions of
         cos/sin [b, L, hd] attend to the context's keys/values k_ctx/v_ctx [b, nkv, Tc, hd] (made by this
         layer's k_proj/v_proj, see Attention.kv) followed by their own, under mask: a bool [b, 1, L, Tc + L]
         or None (impl "sdpa"), a BlockMask ("flex"), or split_mask's masks ("split", train/attention.py)."""
@@ -319,6 +319,9 @@ class Layer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    """Steps 1-4 of the method (module docstring): fuse_context (1), embed (2), the layers (3), logits / the
+    chunked loss (4); forward_train over packed blocks, extend_context + draft_block to draft after a context."""
+
     def __init__(self, cfg: DrafterConfig, attn_impl: str = "sdpa"):
         super().__init__()
         self.cfg = cfg
@@ -362,7 +365,7 @@ class DFlashDrafter(nn.Module):
         self.lm_head_weight = lm_head_weight.detach().to(self.fc.weight.device, dtype).clone()
 
     def fuse_context(self, hidden: torch.Tensor, hidden_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """[*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
+        """Step 1: [*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
         cache's stored form (fp8 bytes or packed fp4, dflash_cache.quant), dequantised here on the device."""
         if hidden_scales is not None:
             from dflash_cache.quant import dequantize
