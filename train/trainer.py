@@ -154,6 +154,12 @@ class Trainer:
         self.gen = torch.Generator(device=dev)
         self.check: dict[str, Any] | None = None
         self.peak = peak_flops(dev)  # None off CUDA or on a chip not in the table: no MFU then
+        # the loop's state (train() starts each afresh): the window's metrics, its records, the last checkpoint
+        # written, and the pinned batch whose copy to the device may still be in flight
+        self.metrics = TrainMetrics.zeros(self.dcfg.block_size - 1, cfg.log_every * cfg.grad_accum, dev)
+        self.history: list[dict] = []
+        self.last_good: str | None = None
+        self.pinned = None
 
     def verify_compiled(self, x: dict, scores: torch.Tensor) -> None:
         """Check the compiled step against the eager one once (train/compile_check.py), say what it found, and
@@ -220,10 +226,8 @@ class Trainer:
     def train(self) -> dict[str, Any]:
         cfg, dist = self.cfg, self.dist
         logger = init_wandb(cfg, self.resolved, dist.is_main)
-        self.metrics = TrainMetrics.zeros(self.dcfg.block_size - 1, cfg.log_every * cfg.grad_accum, self.dev)
-        self.history: list[dict] = []
-        self.last_good: str | None = None
-        self.pinned = None  # (event, batch): pinned buffer to release once its copy has landed
+        self.metrics.reset()
+        self.history, self.last_good, self.pinned = [], None, None
         data = self.micro_batches(self.step * cfg.grad_accum)
         bar = progress.bar(cfg.progress and dist.is_main, total=self.total_steps, initial=self.step, desc="train",
                            unit="step")
@@ -273,8 +277,9 @@ class Trainer:
 
     def train_step(self, data, lr: float) -> float:
         """One optimizer step on the device: grad_accum micro-batches (forward, backward, gradients copied or added
-        into the flat buffer, metrics added to self.metrics), the all-reduce, the clip and AdamW at lr. Nothing
-        here waits for the device (the first step also runs the compiled-step check). Returns the seconds spent
+        into the flat buffer, metrics added to self.metrics), the all-reduce, the clip and AdamW at lr. Nothing is
+        read back from the device; the host waits only for the previous micro-batch's copy to land (to hand its
+        pinned buffer back to the reader), and, once, for the compiled-step check. Returns the seconds spent
         waiting for the reader."""
         cfg, dev = self.cfg, self.dev
         T = self.cache.seq_len
