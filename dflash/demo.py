@@ -192,9 +192,12 @@ def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
     info = dflash_cache.info(cache)
 
     run = os.path.join(cfg.workdir, f"run-{cfg.responses}")
+    batch_rows = min(cfg.batch_rows, info["rows"])  # a small --train-prompts packs into fewer rows than a batch
+    if batch_rows < cfg.batch_rows:
+        print(f"demo: the cache has {info['rows']} rows: training on batches of {batch_rows} rows", flush=True)
     t = time.perf_counter()
     tr = run_train(TrainConfig(cache=cache, target=target, out=run, drafter_layers=cfg.drafter_layers,
-                               block_size=cfg.block_size, num_anchors=cfg.num_anchors, batch_rows=cfg.batch_rows,
+                               block_size=cfg.block_size, num_anchors=cfg.num_anchors, batch_rows=batch_rows,
                                max_steps=cfg.train_steps, lr=cfg.lr, warmup_ratio=0.05, log_every=20,
                                save_every=max(20, cfg.train_steps // 4), device=cfg.device, progress=cfg.progress))
     timings["train"] = time.perf_counter() - t
