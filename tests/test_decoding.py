@@ -31,7 +31,8 @@ from extract.target import load_causal_lm, load_tokenizer
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
 from train.eval import DFlashProposer, NgramProposer, Target, greedy, speculative
-from train.model import DFlashDrafter, DrafterConfig, load_drafter
+from train.checkpoint import load_drafter
+from train.model import DFlashDrafter, DrafterConfig
 
 BLOCK = 4
 LAYERS = [1, 2, 3]

@@ -21,7 +21,8 @@ from train.eval import (  # noqa: E402
     speculative,
     summarize,
 )
-from train.model import DFlashDrafter, DrafterConfig, save_drafter  # noqa: E402
+from train.checkpoint import save_drafter  # noqa: E402
+from train.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

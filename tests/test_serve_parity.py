@@ -35,7 +35,8 @@ from extract.target import PackedTarget, load_causal_lm, load_tokenizer
 from tests.tiny import _text, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
 from train.eval import DFlashProposer, Target, crop_cache, speculative
-from train.model import DFlashDrafter, DrafterConfig, slot_weights
+from train.loss import slot_weights
+from train.model import DFlashDrafter, DrafterConfig
 
 BLOCK = 4
 
