@@ -3,7 +3,7 @@
     python bench/blocks_check.py                     # on the GPU, rows of 512 ... 8192 tokens
     python bench/blocks_check.py --device cpu --lengths 256,512
 
-For packed rows shaped like the cache's (bench/train.py's synthetic rows), each piece of train.model's
+For packed rows shaped like the cache's (bench/train.py's synthetic rows), each piece of train.blocks'
 make_blocks is run eagerly and compiled (inductor generating its code), and every output compared element by
 element: the whole make_blocks, document_positions (a cummax over the row), cummax alone, topk, and sort. Also
 make_blocks_opaque compiled, the form the training step uses (one opaque op whose kernels inductor leaves
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import dflash.train.model as M  # noqa: E402
+import dflash.train.blocks as M  # noqa: E402
 from bench.common import hardware  # noqa: E402
 from bench.train import synthetic_rows  # noqa: E402
 

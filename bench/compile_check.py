@@ -93,7 +93,7 @@ def fwd_bwd(fn, model, batch, anchors: int, gamma: float, cuda_graphs: bool):
 
 
 def compare(grads, ref, names):
-    from dflash.train.trainer import grad_agreement
+    from dflash.train.compile_check import grad_agreement
 
     out = grad_agreement(grads, ref, names)
     out["worst"] = max(out["per_param"], key=lambda x: x["rel_err"])

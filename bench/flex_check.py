@@ -29,6 +29,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import dflash.train.blocks as MB  # noqa: E402
+import dflash.train.loss as ML  # noqa: E402
 import dflash.train.model as M  # noqa: E402
 from bench.common import hardware  # noqa: E402
 from bench.compile_check import ALL_SHAPES, batches, build  # noqa: E402
@@ -77,7 +79,7 @@ def main():
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=2)
 
-    blocks = M.make_blocks(ids, lm, doc, scores, anchors, block, dcfg.mask_token_id)
+    blocks = MB.make_blocks(ids, lm, doc, scores, anchors, block, dcfg.mask_token_id)
     N = anchors
     g = torch.Generator(device=dev).manual_seed(3)
     x0 = torch.randn(rows, N * block, dcfg.hidden_size, generator=g, device=dev).to(torch.bfloat16)
@@ -95,8 +97,8 @@ def main():
                 ctx_cos, ctx_sin = M.rope_cos_sin(model.inv_freq, cpos, x.dtype)
                 q_cos, q_sin = M.rope_cos_sin(model.inv_freq, pos.reshape(pos.shape[0], -1), x.dtype)
             if mask is None:
-                b = M.Blocks(anchors_, None, tokens, pos, None, None, cpos, adoc)
-                mask = (M.flex_block_mask if impl == "flex" else M.dense_block_mask)(b, doc_, None)
+                b = MB.Blocks(anchors_, None, tokens, pos, None, None, cpos, adoc)
+                mask = (MB.flex_block_mask if impl == "flex" else MB.dense_block_mask)(b, doc_, None)
             for layer_ in layers_:
                 x = model._layer(layer_, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask)
             return x
@@ -109,7 +111,7 @@ def main():
             if fn_kind == "eager":
                 out = body(*args)
             elif fn_kind == "c_argmask":
-                mask = M.flex_block_mask(blocks, doc, None)
+                mask = MB.flex_block_mask(blocks, doc, None)
                 out = torch.compile(body, dynamic=False, fullgraph=True)(*args, mask=mask)
             else:
                 out = torch.compile(body, dynamic=False, fullgraph=True)(*args)
@@ -126,7 +128,7 @@ def main():
 
     # the block layout (anchors, positions, labels): compiled vs eager
     bargs = (ids, lm, doc, scores, anchors, block, dcfg.mask_token_id)
-    cb = torch.compile(M.make_blocks, dynamic=False, fullgraph=True)(*bargs)
+    cb = torch.compile(MB.make_blocks, dynamic=False, fullgraph=True)(*bargs)
     res["blocks_differ"] = {f: int((getattr(blocks, f) != getattr(cb, f)).sum())
                             for f in ("anchors", "anchor_valid", "tokens", "positions", "labels", "label_valid",
                                       "ctx_positions", "anchor_doc")}
@@ -139,7 +141,7 @@ def main():
     out = {}
     for name, dt, comp in (("fp32", torch.float32, False), ("eager", torch.bfloat16, False), ("compiled", torch.bfloat16, True)):
         h = h0.detach().to(dt).requires_grad_(True)
-        f = torch.compile(M.chunked_block_loss, dynamic=False, fullgraph=True) if comp else M.chunked_block_loss
+        f = torch.compile(ML.chunked_block_loss, dynamic=False, fullgraph=True) if comp else ML.chunked_block_loss
         loss, met = f(h, model.lm_head_weight.to(dt), blocks, 7.0)
         loss.backward()
         out[name] = (float(loss.detach()), h.grad.float())
@@ -150,10 +152,10 @@ def main():
     # the block masks: built inside a graph vs eagerly
     fields = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks", "q_indices",
               "full_q_num_blocks", "full_q_indices")
-    eager_mask = M.flex_block_mask(blocks, doc, None)
+    eager_mask = MB.flex_block_mask(blocks, doc, None)
 
     def in_graph(anchors_, tokens, adoc, cpos, pos, doc_):
-        m = M.flex_block_mask(M.Blocks(anchors_, None, tokens, pos, None, None, cpos, adoc), doc_, None)
+        m = MB.flex_block_mask(MB.Blocks(anchors_, None, tokens, pos, None, None, cpos, adoc), doc_, None)
         return tuple(getattr(m, f) for f in fields)
 
     tg = torch.compile(in_graph, dynamic=False, fullgraph=True)(blocks.anchors, blocks.tokens, blocks.anchor_doc,

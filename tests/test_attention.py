@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dflash.train.attention import _key_ranges, _chunk_attention, split_block_attention, split_mask
-from dflash.train.model import DFlashDrafter, DrafterConfig, attend, dense_block_mask, make_blocks
+from dflash.train.blocks import attend, dense_block_mask, make_blocks
+from dflash.train.model import DFlashDrafter, DrafterConfig
 
 
 def _rows(R, T, doc_lens, seed, pad_row=False, starts=False):

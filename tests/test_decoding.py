@@ -28,8 +28,9 @@ from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
 from dflash.core.target import load_causal_lm, load_tokenizer
+from dflash.train.checkpoint import load_drafter
 from dflash.train.eval import DFlashProposer, NgramProposer, Target, greedy, speculative
-from dflash.train.model import DFlashDrafter, DrafterConfig, load_drafter
+from dflash.train.model import DFlashDrafter, DrafterConfig
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
 

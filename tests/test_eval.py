@@ -12,7 +12,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
 
 from dflash.train.eval import Decode, DFlashProposer, NgramProposer, Target, crop_cache, greedy, speculative, summarize
-from dflash.train.model import DFlashDrafter, DrafterConfig, save_drafter  # noqa: E402
+from dflash.train.checkpoint import save_drafter  # noqa: E402
+from dflash.train.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

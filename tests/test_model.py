@@ -6,18 +6,10 @@ import pytest
 import torch
 
 from dflash.core.layers import default_layer_ids
-from dflash.train.model import (
-    DFlashDrafter,
-    DrafterConfig,
-    block_loss,
-    dense_block_mask,
-    document_positions,
-    load_drafter,
-    make_blocks,
-    make_blocks_opaque,
-    save_drafter,
-    slot_weights,
-)
+from dflash.train.blocks import dense_block_mask, document_positions, make_blocks, make_blocks_opaque
+from dflash.train.checkpoint import load_drafter, save_drafter
+from dflash.train.loss import block_loss, slot_weights
+from dflash.train.model import DFlashDrafter, DrafterConfig
 
 T = 96
 
@@ -113,7 +105,7 @@ def test_opaque_make_blocks_equals_make_blocks_eager_and_compiled():
     op's own checks (schema, fake tensors, no aliasing)."""
     from dataclasses import fields
 
-    from dflash.train.model import Blocks
+    from dflash.train.blocks import Blocks
 
     hidden, ids, lm, doc, scores = batch()
     args = (ids, lm, doc, scores, 12, 4, 511)
@@ -260,7 +252,7 @@ def test_loss_weights_and_metrics_by_hand():
     w = slot_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
     # one block of B=4 (3 predicted slots); correct, correct, wrong -> accepted 2 -> tau 3
-    from dflash.train.model import Blocks
+    from dflash.train.blocks import Blocks
 
     V = 5
     labels = torch.tensor([[[0, 1, 2, 3]]])
@@ -353,7 +345,7 @@ def test_save_load_round_trip_and_servable_layout(tmp_path):
 
 def test_chunked_loss_equals_full_logits_reference():
     """The chunked linear-CE (no [slots, vocab] tensor) gives the reference loss, gradients and metrics."""
-    import dflash.train.model as tm
+    import dflash.train.loss as tm
 
     m = tiny()
     hidden, ids, lm, doc, scores = batch()

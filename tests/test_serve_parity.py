@@ -34,7 +34,8 @@ from dflash.cli import main as cli_main
 from dflash.core.target import load_causal_lm, load_tokenizer
 from dflash.extract.target import PackedTarget
 from dflash.train.eval import DFlashProposer, Target, crop_cache, speculative
-from dflash.train.model import DFlashDrafter, DrafterConfig, slot_weights
+from dflash.train.loss import slot_weights
+from dflash.train.model import DFlashDrafter, DrafterConfig
 from tests.tiny import _text, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
 

@@ -41,7 +41,7 @@ from click.testing import CliRunner
 import dflash_cache
 from dflash.cli import main as cli_main
 from dflash.core.config import ConfigError
-from dflash.train.model import load_drafter
+from dflash.train.checkpoint import load_drafter
 from dflash.train.trainer import TrainConfig, lr_at, resolve_mask_token_id
 from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, write_jsonl
 
@@ -237,12 +237,13 @@ def test_compiled_matches_eager_with_no_recompiles(env, tmp_path):
 def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypatch):
     """What the 8B shape has and the run above lacks: bf16 weights, an untied LM head, GQA 4:1, B = 16 and a
     cross-entropy over several chunks (forced to 256 slots each). Eager and compiled agree on CPU."""
+    import dflash.train.loss as loss
     import dflash.train.model as model
     from bench.common import random_target_dir
     from bench.train import synthetic_cache
     from dflash.train.trainer import Trainer, TrainConfig
 
-    monkeypatch.setattr(model, "ce_chunk", lambda vocab, budget_bytes=0: 256)  # 2 rows x 32 anchors x 15 slots: 4 chunks
+    monkeypatch.setattr(loss, "ce_chunk", lambda vocab, budget_bytes=0: 256)  # 2 rows x 32 anchors x 15 slots: 4 chunks
     shape = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
                  num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
                  tie_word_embeddings=False)

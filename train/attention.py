@@ -1,6 +1,6 @@
 """Packed block attention without the dense mask (the eager path; `attn="split"`, the CPU default).
 
-What it computes is exactly what `dense_block_mask` + SDPA computes (train/model.py): the B queries of
+What it computes is exactly what `dense_block_mask` + SDPA computes (train/blocks.py): the B queries of
 block n attend to
   * the context keys j with j < anchor_n and doc[j] == doc[anchor_n] (and, in a sliding layer,
     query position - context position of j < window), and

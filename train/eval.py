@@ -29,7 +29,8 @@ from dflash.core.config import check
 from dflash.core.dist import compute_init, resolve_dtype
 from dflash.core.target import LayerCapture, decoder_layers, load_causal_lm, load_tokenizer
 
-from .model import DFlashDrafter, attend, load_drafter, rope_cos_sin
+from .checkpoint import load_drafter
+from .model import DFlashDrafter, rope_cos_sin
 
 
 @dataclass
@@ -164,17 +165,11 @@ class StaticDraft:
         visible = torch.cat([self.kidx < self.n, self.kidx.new_ones(B, dtype=torch.bool)])  # [max_len + B]
         mask = visible[None, None, None, :].expand(1, 1, B, visible.shape[0])
         for i, layer in enumerate(d.layers):
-            att = layer.self_attn
             m = mask
-            if att.window is not None:
+            if layer.self_attn.window is not None:
                 kpos = torch.cat([c.pos, self.positions], 1)
-                m = mask & (self.positions[:, :, None] - kpos[:, None, :] < att.window)[:, None]
-            h = layer.input_layernorm(x)
-            k_blk, v_blk = att.kv(h, cos, sin)
-            q = att.q(h, cos, sin)
-            o = attend(q, torch.cat([c.k[i], k_blk], 2), torch.cat([c.v[i], v_blk], 2), m, "sdpa")
-            x = x + att.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                m = mask & (self.positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
+            x = layer(x, cos, sin, c.k[i], c.v[i], m)
         return d.logits(x[:, 1:]).argmax(-1)[0]
 
     def _capture(self) -> None:

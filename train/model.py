@@ -30,13 +30,16 @@ Shapes (R rows, T tokens, K layers, H hidden, N anchors, B block, V vocab):
 Checkpoints use the layout DFlash drafters are served from (HF `save_pretrained`: a Qwen3 config
 with `block_size`, `num_target_layers`, `dflash_config {target_layer_ids, mask_token_id}` and
 weights `layers.N.*`, `norm`, `fc`, `hidden_norm`); the embedding and LM head stay the target's.
+
+This file is the model: its config, its layers and the drafter's two forwards (training over packed blocks,
+drafting one block after a cached context), both through one decoder-layer forward. Around it:
+train/blocks.py (anchors, blocks, attention masks), train/attention.py (the split attention kernel),
+train/loss.py (the objective and its metrics), train/checkpoint.py (save/load in the servable layout).
 """
 
 from __future__ import annotations
 
-import json
 import math
-import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -47,6 +50,8 @@ from torch import nn
 from dflash.core.errors import DflashError
 from dflash.core.layers import default_layer_ids
 from dflash.train.attention import split_block_attention, split_mask
+from dflash.train.blocks import Blocks, attend, dense_block_mask, flex_block_mask, make_blocks_opaque
+from dflash.train.loss import chunked_block_loss
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -275,158 +280,21 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-
-# --------------------------------------------------------------------------------------------
-# Attention over [context | blocks]: dense SDPA mask or flex_attention block mask
-# --------------------------------------------------------------------------------------------
-
-
-_compiled_flex = None
-
-
-def _flex(q):
-    """flex_attention; outside a compiled region on GPU, its compiled kernel. Called eagerly, flex falls
-    back to an unfused reference that materialises every score (44 GiB at the 8B training shape)."""
-    global _compiled_flex
-    from torch.nn.attention.flex_attention import flex_attention
-
-    if not q.is_cuda or torch.compiler.is_compiling():
-        return flex_attention
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
-
-
-def attend(q, k, v, mask, impl: str):
-    """q [b, nh, Lq, d]; k/v [b, nkv, Lk, d]; mask: bool [b, 1, Lq, Lk] (sdpa) or a BlockMask (flex)."""
-    gqa = q.shape[1] != k.shape[1]
-    if impl == "flex":
-        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
-    if gqa:
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Position of each token inside its document (restarting at 0), [R, T]; no host sync."""
-    R, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(R, T)
-    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
-    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    start = torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), dim=1).values
-    return idx - start
-
-
-@dataclass
-class Blocks:
-    """Everything the packed training forward derives from a batch (fixed shapes)."""
-
-    anchors: torch.Tensor  # [R, N] token index of each anchor (sorted)
-    anchor_valid: torch.Tensor  # [R, N] bool
-    tokens: torch.Tensor  # [R, N, B] block input ids
-    positions: torch.Tensor  # [R, N, B] absolute (in-document) positions
-    labels: torch.Tensor  # [R, N, B] token at anchor+k
-    label_valid: torch.Tensor  # [R, N, B] bool (slot 0 never valid)
-    ctx_positions: torch.Tensor  # [R, T]
-    anchor_doc: torch.Tensor  # [R, N]
-
-
-def make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
-                mask_token_id: int) -> Blocks:
-    R, T = input_ids.shape
-    B, dev = block_size, input_ids.device
-    lm = loss_mask.bool()
-    # valid anchor t: t and t+1 supervised, same (real) document
-    valid = torch.zeros_like(lm)
-    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
-    scores = torch.where(valid, anchor_scores.float(), torch.full_like(anchor_scores.float(), -1.0))
-    top = scores.topk(num_anchors, dim=1).indices  # uniform among valid positions (random scores)
-    anchors = top.sort(dim=1).values
-    anchor_valid = valid.gather(1, anchors)
-    k = torch.arange(B, device=dev)
-    idx = anchors[..., None] + k  # [R, N, B]
-    in_row = idx < T
-    idx_c = idx.clamp(max=T - 1)
-    flat = idx_c.view(R, -1)
-    labels = input_ids.gather(1, flat).view(R, -1, B)
-    anchor_doc = doc_ids.gather(1, anchors)
-    same_doc = doc_ids.gather(1, flat).view(R, -1, B) == anchor_doc[..., None]
-    sup = lm.gather(1, flat).view(R, -1, B)
-    label_valid = in_row & same_doc & sup & anchor_valid[..., None] & (k > 0)
-    ctx_pos = document_positions(doc_ids)
-    positions = ctx_pos.gather(1, anchors)[..., None] + k
-    tokens = torch.full_like(labels, mask_token_id)
-    tokens[..., 0] = input_ids.gather(1, anchors)
-    return Blocks(anchors, anchor_valid, tokens, positions, labels, label_valid, ctx_pos, anchor_doc)
-
-
-@torch.library.custom_op("dflash::make_blocks", mutates_args=(), schema=(
-    "(Tensor input_ids, Tensor loss_mask, Tensor doc_ids, Tensor anchor_scores, SymInt num_anchors, "
-    "SymInt block_size, SymInt mask_token_id) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
-def _make_blocks_op(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id):
-    b = make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id)
-    return tuple(getattr(b, f.name).clone() for f in fields(Blocks))  # own storage: no output may alias
-
-
-@_make_blocks_op.register_fake
-def _(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id):
-    R, T = input_ids.shape
-    N, B = num_anchors, block_size
-    e = input_ids.new_empty
-    i64, b8 = torch.int64, torch.bool
-    return (e(R, N, dtype=i64), e(R, N, dtype=b8), e(R, N, B, dtype=input_ids.dtype), e(R, N, B, dtype=i64),
-            e(R, N, B, dtype=input_ids.dtype), e(R, N, B, dtype=b8), e(R, T, dtype=i64), e(R, N, dtype=doc_ids.dtype))
-
-
-def make_blocks_opaque(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
-                       mask_token_id: int) -> Blocks:
-    """make_blocks as one opaque op inside torch.compile: its aten kernels run as they do eagerly (and are
-    captured in the step's CUDA graph); inductor neither regenerates nor fuses them. With make_blocks traced
-    into the step's graph, the compiled Qwen3-8B-shaped step (4 x 3072 tokens, 512 anchors; torch 2.11, H200)
-    computed wrong gradients, though make_blocks compiled on its own is exact (bench/blocks_check.py); built
-    through this op the step matches eager (BENCHMARKS.md, "Compiled step")."""
-    return Blocks(*_make_blocks_op(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size,
-                                   mask_token_id))
-
-
-def dense_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
-    """bool [R, 1, N*B, T + N*B]: context strictly before the own anchor in the own document; own block."""
-    R, T = doc_ids.shape
-    N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
-    qa = blocks.anchors.repeat_interleave(B, dim=1)  # [R, NB] anchor of each query
-    qdoc = blocks.anchor_doc.repeat_interleave(B, dim=1)
-    j = torch.arange(T, device=doc_ids.device)
-    ctx = (j[None, None, :] < qa[..., None]) & (doc_ids[:, None, :] == qdoc[..., None])
-    if window is not None:
-        qpos = blocks.positions.reshape(R, N * B)
-        ctx = ctx & (qpos[..., None] - blocks.ctx_positions[:, None, :] < window)
-    qb = torch.arange(N * B, device=doc_ids.device) // B
-    own = (qb[:, None] == qb[None, :]).expand(R, N * B, N * B)
-    return torch.cat([ctx, own], dim=-1)[:, None]
-
-
-def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    R, T = doc_ids.shape
-    N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
-    anchors, adoc, ctx_pos = blocks.anchors, blocks.anchor_doc, blocks.ctx_positions
-    qpos = blocks.positions.reshape(R, N * B)
-
-    def mask_mod(b, h, q, kv):
-        n = q // B
-        a = anchors[b, n]
-        kc = torch.clamp(kv, max=T - 1)
-        ctx_ok = (kv < a) & (doc_ids[b, kc] == adoc[b, n])
-        if window is not None:
-            ctx_ok = ctx_ok & (qpos[b, q] - ctx_pos[b, kc] < window)
-        own = (kv - T) // B == n
-        return torch.where(kv < T, ctx_ok, own)
-
-    # eager create_block_mask would materialise the whole [R, N*B, T+N*B] grid (tens of GB at 8B scale)
-    return create_block_mask(mask_mod, R, None, N * B, T + N * B, device=doc_ids.device,
-                             _compile=doc_ids.is_cuda and not torch.compiler.is_compiling())
+    def forward(self, x, cos, sin, k_ctx, v_ctx, mask, impl: str = "sdpa") -> torch.Tensor:
+        """Step 3, for training and drafting alike: block tokens x [b, L, H] at the positions of
+        cos/sin [b, L, hd] attend to the context's keys/values k_ctx/v_ctx [b, nkv, Tc, hd] (made by this
+        layer's k_proj/v_proj, see Attention.kv) followed by their own, under mask: a bool [b, 1, L, Tc + L]
+        or None (impl "sdpa"), a BlockMask ("flex"), or split_mask's masks ("split", train/attention.py)."""
+        att = self.self_attn
+        h = self.input_layernorm(x)
+        k_blk, v_blk = att.kv(h, cos, sin)
+        q = att.q(h, cos, sin)
+        if impl == "split":  # context and own block apart, merged exactly (train/attention.py)
+            o = split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
+        else:
+            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, impl)
+        x = x + att.out(o)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,6 +303,9 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
 
 
 class DFlashDrafter(nn.Module):
+    """Steps 1-4 of the method (module docstring): fuse_context (1), embed (2), the layers (3), logits / the
+    chunked loss (4); forward_train over packed blocks, extend_context + draft_block to draft after a context."""
+
     def __init__(self, cfg: DrafterConfig, attn_impl: str = "sdpa"):
         super().__init__()
         self.cfg = cfg
@@ -478,7 +349,7 @@ class DFlashDrafter(nn.Module):
         self.lm_head_weight = lm_head_weight.detach().to(self.fc.weight.device, dtype).clone()
 
     def fuse_context(self, hidden: torch.Tensor, hidden_scales: torch.Tensor | None = None) -> torch.Tensor:
-        """[*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
+        """Step 1: [*, K*H] target hidden states -> [*, H] context features. With hidden_scales, hidden is a quantised
         cache's stored form (fp8 bytes or packed fp4, dflash_cache.quant), dequantised here on the device."""
         if hidden_scales is not None:
             from dflash_cache.quant import dequantize  # lazy: the cache package only for fp8/fp4
@@ -525,17 +396,9 @@ class DFlashDrafter(nn.Module):
         return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
 
     def _layer(self, layer: Layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask):
-        att = layer.self_attn
-        h = layer.input_layernorm(x)
-        k_ctx, v_ctx = att.kv(ctx, ctx_cos, ctx_sin)
-        k_blk, v_blk = att.kv(h, q_cos, q_sin)
-        q = att.q(h, q_cos, q_sin)
-        if self.attn_impl == "split":  # context and own block apart, merged exactly (train/attention.py)
-            o = split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
-        else:
-            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, self.attn_impl)
-        x = x + att.out(o)
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        """One layer in training: the context features' keys/values [R, nkv, T, hd], then the layer."""
+        k_ctx, v_ctx = layer.self_attn.kv(ctx, ctx_cos, ctx_sin)
+        return layer(x, q_cos, q_sin, k_ctx, v_ctx, mask, self.attn_impl)
 
     # -- inference: one block after a growing context ---------------------------------------------
     def new_cache(self, batch: int, max_len: int, device=None, dtype=None) -> "ContextCache":
@@ -560,18 +423,11 @@ class DFlashDrafter(nn.Module):
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         n = cache.length
         for i, layer in enumerate(self.layers):
-            att = layer.self_attn
-            h = layer.input_layernorm(x)
-            k_blk, v_blk = att.kv(h, cos, sin)
-            q = att.q(h, cos, sin)
-            k_ctx, v_ctx = cache.k[i][:, :, :n], cache.v[i][:, :, :n]
             mask = None
-            if att.window is not None:  # keys within the window of each query
+            if layer.self_attn.window is not None:  # keys within the window of each query
                 kpos = torch.cat([cache.pos[:, :n], positions], 1)
-                mask = (positions[:, :, None] - kpos[:, None, :] < att.window)[:, None]
-            o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, "sdpa")
-            x = x + att.out(o)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+                mask = (positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
+            x = layer(x, cos, sin, cache.k[i][:, :, :n], cache.v[i][:, :, :n], mask)
         return self.logits(x[:, 1:])
 
 
@@ -595,193 +451,3 @@ class ContextCache:
             self.v[i][:, :, s] = vs[i]
         self.pos[:, s] = positions
         self.length += L
-
-
-# --------------------------------------------------------------------------------------------
-# The objective and its metrics
-# --------------------------------------------------------------------------------------------
-
-
-def slot_weights(block_size: int, gamma: float, device=None) -> torch.Tensor:
-    """[B] weights: 0 for slot 0, exp(-(k-1)/gamma) for slots k >= 1."""
-    k = torch.arange(block_size, device=device, dtype=torch.float32)
-    w = torch.exp(-(k - 1) / gamma)
-    w[0] = 0.0
-    return w
-
-
-class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i w_i * CE(x_i @ W^T, y_i) and argmax_i, computed chunk by chunk with the gradient w.r.t. x
-    formed on the fly, so the [slots, vocab] logits never exist at once (W is frozen: no grad).
-    A 4 x 512 x 15-slot batch over a 152k vocabulary would otherwise hold ~19 GB of float32 logits."""
-
-    @staticmethod
-    def forward(ctx, x, weight, labels, w, chunk: int):
-        n = x.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
-        grad = torch.empty_like(x)
-        preds = []
-        for s in range(0, n, chunk):
-            logits = (x[s:s + chunk] @ weight.t()).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            y = labels[s:s + chunk]
-            wc = w[s:s + chunk]
-            total = total + ((lse - logits.gather(1, y[:, None])[:, 0]) * wc).sum()
-            preds.append(logits.argmax(-1))
-            p = torch.exp(logits - lse[:, None])  # softmax; d CE / d logits = p - onehot(y)
-            p = p.scatter_add(1, y[:, None], -torch.ones_like(lse)[:, None]) * wc[:, None]
-            grad[s:s + chunk] = (p.to(x.dtype) @ weight).to(x.dtype)
-        pred = torch.cat(preds)
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(pred)
-        return total, pred
-
-    @staticmethod
-    def backward(ctx, g_total, g_pred):
-        (grad,) = ctx.saved_tensors
-        return grad * g_total.to(grad.dtype), None, None, None, None
-
-
-def ce_chunk(vocab: int, budget_bytes: int = 1 << 30) -> int:
-    """Slots per chunk so that one chunk's float32 logits stay near budget_bytes."""
-    return max(256, budget_bytes // (4 * vocab))
-
-
-def chunked_block_loss(h: torch.Tensor, lm_head: torch.Tensor, blocks: Blocks, gamma: float):
-    """The objective from the drafter's normalised slot outputs h [R, N, B-1, H] (no full logits)."""
-    R, N, Bm1, H = h.shape
-    labels = blocks.labels[..., 1:]
-    valid = blocks.label_valid[..., 1:]
-    w = slot_weights(Bm1 + 1, gamma, h.device)[1:]
-    wv = w * valid.float()
-    denom = wv.sum()
-    total, pred = _LinearCrossEntropy.apply(h.reshape(-1, H), lm_head, labels.reshape(-1), wv.reshape(-1),
-                                            ce_chunk(lm_head.shape[0]))
-    loss = total / denom.clamp(min=1e-6)
-    return loss, block_metrics(pred.view(R, N, Bm1), blocks, loss, denom)
-
-
-def block_loss(logits: torch.Tensor, blocks: Blocks, gamma: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Reference form of the objective from full logits [R, N, B-1, V]: weighted CE over slots 1..B-1."""
-    R, N, Bm1, V = logits.shape
-    labels = blocks.labels[..., 1:]
-    valid = blocks.label_valid[..., 1:]
-    w = slot_weights(Bm1 + 1, gamma, logits.device)[1:]
-    ce = F.cross_entropy(logits.float().reshape(-1, V), labels.reshape(-1), reduction="none").view(R, N, Bm1)
-    wv = w * valid.float()
-    denom = wv.sum()
-    loss = (ce * wv).sum() / denom.clamp(min=1e-6)
-    return loss, block_metrics(logits.argmax(-1), blocks, loss, denom)
-
-
-def block_metrics(pred: torch.Tensor, blocks: Blocks, loss: torch.Tensor, denom: torch.Tensor) -> dict[str, torch.Tensor]:
-    """Per-slot accuracy and the expected acceptance length from argmax predictions [R, N, B-1]."""
-    labels = blocks.labels[..., 1:]
-    valid = blocks.label_valid[..., 1:]
-    with torch.no_grad():
-        correct = (pred == labels) & valid
-        slot_valid = valid.float().sum((0, 1))
-        slot_acc = correct.float().sum((0, 1)) / slot_valid.clamp(min=1)
-        # verification accepts the longest correct prefix: tau = 1 + sum_k prod_{j<=k} correct_j
-        accepted = torch.cumprod(correct.float(), dim=-1).sum(-1)
-        av = blocks.anchor_valid.float()
-        n_blocks = av.sum()
-        tau = 1 + (accepted * av).sum() / n_blocks.clamp(min=1)
-    return {"loss": loss.detach(), "slot_acc": slot_acc, "slot_count": slot_valid, "tau": tau,
-            "blocks": n_blocks, "weight": denom.detach()}
-
-
-# --------------------------------------------------------------------------------------------
-# Checkpoints in the servable layout
-# --------------------------------------------------------------------------------------------
-
-CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
-
-
-def servable_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
-    """A Qwen3 config dict carrying the DFlash fields, as drafters are served from."""
-    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-    return {
-        "architectures": ["DFlashDraftModel"],
-        "model_type": "qwen3",
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": "silu",
-        "vocab_size": cfg.vocab_size,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "rope_parameters": rope,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "attention_bias": cfg.attention_bias,
-        "attention_dropout": 0.0,
-        "use_sliding_window": cfg.sliding_window is not None,
-        "sliding_window": cfg.sliding_window,
-        "layer_types": cfg.layer_types,
-        "tie_word_embeddings": False,
-        "dtype": dtype,
-        "torch_dtype": dtype,
-        "block_size": cfg.block_size,
-        "num_target_layers": cfg.num_target_layers,
-        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
-    }
-
-
-def config_from_servable(d: dict[str, Any]) -> DrafterConfig:
-    dc = d.get("dflash_config") or {}
-    rope = d.get("rope_parameters") or {}
-    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or d.get("rope_scaling")
-    if scaling and scaling.get("rope_type", "default") == "default" and len(scaling) == 1:
-        scaling = None
-    L = d["num_hidden_layers"]
-    return DrafterConfig(
-        hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_heads=d["num_attention_heads"],
-        num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
-        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"], vocab_size=d["vocab_size"],
-        target_layer_ids=list(dc.get("target_layer_ids") or default_layer_ids(d["num_target_layers"], L)),
-        num_target_layers=d["num_target_layers"], num_layers=L, block_size=d.get("block_size", 16),
-        mask_token_id=dc.get("mask_token_id", 0), rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta,
-        rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 40960),
-        sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window")) else None,
-        layer_types=list(d.get("layer_types") or []), attention_bias=d.get("attention_bias", False),
-    )
-
-
-def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
-    sd = model.state_dict()  # buffers (embedding, LM head, rope) are not persistent: never saved
-    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-            for k, v in sd.items()}
-
-
-def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write config.json + model.safetensors (HF save_pretrained layout) into path."""
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
-    name = str(dtype).replace("torch.", "")
-    with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(servable_config(model.cfg, name), f, indent=2)
-    save_file(drafter_state_dict(model, dtype), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
-
-
-def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> DFlashDrafter:
-    from safetensors.torch import load_file
-
-    cfg_path = os.path.join(path, CONFIG_NAME)
-    if not os.path.exists(cfg_path):
-        raise DrafterError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
-    with open(cfg_path) as f:
-        cfg = config_from_servable(json.load(f))
-    sd = load_file(os.path.join(path, WEIGHTS_NAME))
-    model = DFlashDrafter(cfg, attn_impl=attn_impl)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    if missing or unexpected:
-        raise DrafterError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
-    dtype = dtype or next(iter(sd.values())).dtype
-    return model.to(device=device, dtype=dtype)

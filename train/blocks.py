@@ -1,0 +1,168 @@
+"""Blocks and their attention masks: anchors and block tokens from a packed batch, and who sees whom.
+
+`make_blocks` draws, per row, `num_anchors` anchors among positions t where t and t+1 are supervised and in
+the same (real) document, and builds each block `[x_a, MASK, ..., MASK]` with its labels (the token at
+anchor+k), their validity and the in-document positions. `make_blocks_opaque` is the same as one opaque
+custom op for the compiled step. The masks say what a block's queries see: the context strictly before
+their anchor in their own document (within the window in a sliding layer) and their own block
+bidirectionally, as a dense bool mask for SDPA (`dense_block_mask`) or a flex_attention BlockMask
+(`flex_block_mask`); `attend` runs either. No function here syncs with the host.
+
+Shapes (R rows, T tokens, N anchors, B block): input_ids/loss_mask/doc_ids/anchor_scores [R, T]
+    -> Blocks (anchors [R, N], tokens/positions/labels [R, N, B], ctx_positions [R, T])
+    -> dense mask bool [R, 1, N*B, T + N*B] (True = attend) or a BlockMask of the same logical shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn.functional as F
+
+_compiled_flex = None
+
+
+def _flex(q):
+    """flex_attention; outside a compiled region on GPU, its compiled kernel. Called eagerly, flex falls
+    back to an unfused reference that materialises every score (44 GiB at the 8B training shape)."""
+    global _compiled_flex
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if not q.is_cuda or torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+    return _compiled_flex
+
+
+def attend(q, k, v, mask, impl: str):
+    """q [b, nh, Lq, d]; k/v [b, nkv, Lk, d]; mask: bool [b, 1, Lq, Lk] (sdpa) or a BlockMask (flex)."""
+    gqa = q.shape[1] != k.shape[1]
+    if impl == "flex":
+        return _flex(q)(q, k, v, block_mask=mask, enable_gqa=gqa)
+    if gqa:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def document_positions(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Position of each token inside its document (restarting at 0), [R, T]; no host sync."""
+    R, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(R, T)
+    is_start = torch.ones_like(doc_ids, dtype=torch.bool)
+    is_start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    start = torch.cummax(torch.where(is_start, idx, torch.zeros_like(idx)), dim=1).values
+    return idx - start
+
+
+@dataclass
+class Blocks:
+    """Everything the packed training forward derives from a batch (fixed shapes)."""
+
+    anchors: torch.Tensor  # [R, N] token index of each anchor (sorted)
+    anchor_valid: torch.Tensor  # [R, N] bool
+    tokens: torch.Tensor  # [R, N, B] block input ids
+    positions: torch.Tensor  # [R, N, B] absolute (in-document) positions
+    labels: torch.Tensor  # [R, N, B] token at anchor+k
+    label_valid: torch.Tensor  # [R, N, B] bool (slot 0 never valid)
+    ctx_positions: torch.Tensor  # [R, T]
+    anchor_doc: torch.Tensor  # [R, N]
+
+
+def make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
+                mask_token_id: int) -> Blocks:
+    R, T = input_ids.shape
+    B, dev = block_size, input_ids.device
+    lm = loss_mask.bool()
+    # valid anchor t: t and t+1 supervised, same (real) document
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+    scores = torch.where(valid, anchor_scores.float(), torch.full_like(anchor_scores.float(), -1.0))
+    top = scores.topk(num_anchors, dim=1).indices  # uniform among valid positions (random scores)
+    anchors = top.sort(dim=1).values
+    anchor_valid = valid.gather(1, anchors)
+    k = torch.arange(B, device=dev)
+    idx = anchors[..., None] + k  # [R, N, B]
+    in_row = idx < T
+    idx_c = idx.clamp(max=T - 1)
+    flat = idx_c.view(R, -1)
+    labels = input_ids.gather(1, flat).view(R, -1, B)
+    anchor_doc = doc_ids.gather(1, anchors)
+    same_doc = doc_ids.gather(1, flat).view(R, -1, B) == anchor_doc[..., None]
+    sup = lm.gather(1, flat).view(R, -1, B)
+    label_valid = in_row & same_doc & sup & anchor_valid[..., None] & (k > 0)
+    ctx_pos = document_positions(doc_ids)
+    positions = ctx_pos.gather(1, anchors)[..., None] + k
+    tokens = torch.full_like(labels, mask_token_id)
+    tokens[..., 0] = input_ids.gather(1, anchors)
+    return Blocks(anchors, anchor_valid, tokens, positions, labels, label_valid, ctx_pos, anchor_doc)
+
+
+@torch.library.custom_op("dflash::make_blocks", mutates_args=(), schema=(
+    "(Tensor input_ids, Tensor loss_mask, Tensor doc_ids, Tensor anchor_scores, SymInt num_anchors, "
+    "SymInt block_size, SymInt mask_token_id) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _make_blocks_op(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id):
+    b = make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id)
+    return tuple(getattr(b, f.name).clone() for f in fields(Blocks))  # own storage: no output may alias
+
+
+@_make_blocks_op.register_fake
+def _(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size, mask_token_id):
+    R, T = input_ids.shape
+    N, B = num_anchors, block_size
+    e = input_ids.new_empty
+    i64, b8 = torch.int64, torch.bool
+    return (e(R, N, dtype=i64), e(R, N, dtype=b8), e(R, N, B, dtype=input_ids.dtype), e(R, N, B, dtype=i64),
+            e(R, N, B, dtype=input_ids.dtype), e(R, N, B, dtype=b8), e(R, T, dtype=i64), e(R, N, dtype=doc_ids.dtype))
+
+
+def make_blocks_opaque(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
+                       mask_token_id: int) -> Blocks:
+    """make_blocks as one opaque op inside torch.compile: its aten kernels run as they do eagerly (and are
+    captured in the step's CUDA graph); inductor neither regenerates nor fuses them. With make_blocks traced
+    into the step's graph, the compiled Qwen3-8B-shaped step (4 x 3072 tokens, 512 anchors; torch 2.11, H200)
+    computed wrong gradients, though make_blocks compiled on its own is exact (bench/blocks_check.py); built
+    through this op the step matches eager (BENCHMARKS.md, "Compiled step")."""
+    return Blocks(*_make_blocks_op(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, block_size,
+                                   mask_token_id))
+
+
+def dense_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None) -> torch.Tensor:
+    """bool [R, 1, N*B, T + N*B]: context strictly before the own anchor in the own document; own block."""
+    R, T = doc_ids.shape
+    N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
+    qa = blocks.anchors.repeat_interleave(B, dim=1)  # [R, NB] anchor of each query
+    qdoc = blocks.anchor_doc.repeat_interleave(B, dim=1)
+    j = torch.arange(T, device=doc_ids.device)
+    ctx = (j[None, None, :] < qa[..., None]) & (doc_ids[:, None, :] == qdoc[..., None])
+    if window is not None:
+        qpos = blocks.positions.reshape(R, N * B)
+        ctx = ctx & (qpos[..., None] - blocks.ctx_positions[:, None, :] < window)
+    qb = torch.arange(N * B, device=doc_ids.device) // B
+    own = (qb[:, None] == qb[None, :]).expand(R, N * B, N * B)
+    return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    R, T = doc_ids.shape
+    N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
+    anchors, adoc, ctx_pos = blocks.anchors, blocks.anchor_doc, blocks.ctx_positions
+    qpos = blocks.positions.reshape(R, N * B)
+
+    def mask_mod(b, h, q, kv):
+        n = q // B
+        a = anchors[b, n]
+        kc = torch.clamp(kv, max=T - 1)
+        ctx_ok = (kv < a) & (doc_ids[b, kc] == adoc[b, n])
+        if window is not None:
+            ctx_ok = ctx_ok & (qpos[b, q] - ctx_pos[b, kc] < window)
+        own = (kv - T) // B == n
+        return torch.where(kv < T, ctx_ok, own)
+
+    # eager create_block_mask would materialise the whole [R, N*B, T+N*B] grid (tens of GB at 8B scale)
+    return create_block_mask(mask_mod, R, None, N * B, T + N * B, device=doc_ids.device,
+                             _compile=doc_ids.is_cuda and not torch.compiler.is_compiling())

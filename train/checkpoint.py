@@ -1,0 +1,108 @@
+"""Checkpoint I/O in the servable layout: a Qwen3 config with the DFlash fields plus safetensors weights.
+
+`save_drafter` writes `config.json` + `model.safetensors` (HF `save_pretrained` layout, the one DFlash
+drafters are served from); `load_drafter` reads them back into a `DFlashDrafter`. The target's embedding and
+LM head are buffers, never saved: install them with `DFlashDrafter.set_target_head` after loading.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import torch
+
+from dflash.core.layers import default_layer_ids
+from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterError
+
+CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
+
+
+def servable_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A Qwen3 config dict carrying the DFlash fields, as drafters are served from."""
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "vocab_size": cfg.vocab_size,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "rope_parameters": rope,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "attention_bias": cfg.attention_bias,
+        "attention_dropout": 0.0,
+        "use_sliding_window": cfg.sliding_window is not None,
+        "sliding_window": cfg.sliding_window,
+        "layer_types": cfg.layer_types,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "torch_dtype": dtype,
+        "block_size": cfg.block_size,
+        "num_target_layers": cfg.num_target_layers,
+        "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
+    }
+
+
+def config_from_servable(d: dict[str, Any]) -> DrafterConfig:
+    dc = d.get("dflash_config") or {}
+    rope = d.get("rope_parameters") or {}
+    theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or d.get("rope_scaling")
+    if scaling and scaling.get("rope_type", "default") == "default" and len(scaling) == 1:
+        scaling = None
+    L = d["num_hidden_layers"]
+    return DrafterConfig(
+        hidden_size=d["hidden_size"], intermediate_size=d["intermediate_size"], num_heads=d["num_attention_heads"],
+        num_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"], vocab_size=d["vocab_size"],
+        target_layer_ids=list(dc.get("target_layer_ids") or default_layer_ids(d["num_target_layers"], L)),
+        num_target_layers=d["num_target_layers"], num_layers=L, block_size=d.get("block_size", 16),
+        mask_token_id=dc.get("mask_token_id", 0), rms_norm_eps=d.get("rms_norm_eps", 1e-6), rope_theta=theta,
+        rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 40960),
+        sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window")) else None,
+        layer_types=list(d.get("layer_types") or []), attention_bias=d.get("attention_bias", False),
+    )
+
+
+def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype | None = torch.bfloat16) -> dict[str, torch.Tensor]:
+    sd = model.state_dict()  # buffers (embedding, LM head, rope) are not persistent: never saved
+    return {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
+            for k, v in sd.items()}
+
+
+def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Write config.json + model.safetensors (HF save_pretrained layout) into path."""
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    name = str(dtype).replace("torch.", "")
+    with open(os.path.join(path, CONFIG_NAME), "w") as f:
+        json.dump(servable_config(model.cfg, name), f, indent=2)
+    save_file(drafter_state_dict(model, dtype), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+
+
+def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> DFlashDrafter:
+    from safetensors.torch import load_file
+
+    cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.exists(cfg_path):
+        raise DrafterError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
+    with open(cfg_path) as f:
+        cfg = config_from_servable(json.load(f))
+    sd = load_file(os.path.join(path, WEIGHTS_NAME))
+    model = DFlashDrafter(cfg, attn_impl=attn_impl)
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    if missing or unexpected:
+        raise DrafterError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+    dtype = dtype or next(iter(sd.values())).dtype
+    return model.to(device=device, dtype=dtype)

@@ -1,0 +1,99 @@
+"""The compiled step's check: its first-batch loss and gradients against the eager step's, and the compile count.
+
+A guard, not a formality: at the Qwen3-8B shape torch 2.11 once compiled the step into wrong gradients (fixed
+by blocks.make_blocks_opaque; BENCHMARKS.md, "Compiled step"), and a run must not learn from such a step
+silently. The eager reference runs its attention through dense SDPA: no kernel shared with flex_attention,
+nothing compiled. On disagreement the trainer continues eagerly (Trainer.verify_compiled).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+# The compiled step passes its check when its first-batch loss and gradients are those of the eager step up to
+# bf16 rounding. Measured at the Qwen3-8B shape on an H200: eager bf16 vs float32 differ by 1e-5 (loss) and
+# 0.023 (gradients, relative L2 over all parameters); the faulty compiled graph differed by 7.5e-4 and 0.79.
+CHECK_LOSS_RTOL = 1e-3
+CHECK_GRAD_RTOL = 0.15
+
+
+def check_compiled(compiled_fn, model, params: list[torch.Tensor], args: tuple, cuda: bool, dist) -> dict[str, Any]:
+    """The compiled step `compiled_fn` against model.forward_train with dense SDPA attention, both on args (one
+    micro-batch): loss and gradients of `params`. Every rank ends with the same verdict ("passed")."""
+
+    def loss_and_grads(fn):
+        loss, _ = fn(*args)
+        loss.backward()
+        grads = [p.grad.detach().clone() for p in params]
+        for p in params:
+            p.grad = None
+        return float(loss.detach()), grads
+
+    t0 = time.perf_counter()
+    if cuda:
+        torch.compiler.cudagraph_mark_step_begin()
+    loss_c, g_c = loss_and_grads(compiled_fn)
+    saved = model.attn_impl
+    model.attn_impl = "sdpa"
+    try:
+        loss_e, g_e = loss_and_grads(model.forward_train)
+        res: dict[str, Any] = {"ran": True}
+    except torch.OutOfMemoryError:
+        for p in params:
+            p.grad = None
+        torch.cuda.empty_cache()
+        res = {"ran": False, "why": "the eager reference did not fit in memory"}
+    finally:
+        model.attn_impl = saved
+    ok = True
+    if res["ran"]:
+        names = [n for n, p in model.named_parameters() if p.requires_grad]
+        agree = grad_agreement(g_c, g_e, names)
+        grad_err = agree["global_rel_err"]
+        loss_err = abs(loss_c - loss_e) / max(abs(loss_e), 1e-6)
+        ok = math.isfinite(loss_c) and loss_err <= CHECK_LOSS_RTOL and grad_err <= CHECK_GRAD_RTOL
+        res.update(loss_compiled=loss_c, loss_eager=loss_e, loss_rel_err=loss_err, grad_rel_err=grad_err,
+                   min_grad_cos=agree["min_cos"], min_grad_cos_param=agree["min_cos_param"])
+    if dist.distributed:  # every rank goes on the same way (and each takes part, checked or not)
+        flag = torch.tensor([1.0 if ok else 0.0], device=dist.device)
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+        ok = bool(flag.item() == 1.0)
+    res.update(passed=ok, seconds=time.perf_counter() - t0)
+    return res
+
+
+def grad_agreement(grads: list[torch.Tensor], ref: list[torch.Tensor], names: list[str]) -> dict[str, Any]:
+    """How far gradients are from reference ones: relative L2 error over all tensors together, and per tensor
+    its relative error and cosine (the lowest cosine and whose it is, too)."""
+    rows, num, den = [], 0.0, 0.0
+    for n, g, r in zip(names, grads, ref):
+        g, r = g.float().reshape(-1), r.float().reshape(-1)
+        d, rn = float((g - r).norm()), float(r.norm())
+        cos = float((g @ r) / (g.norm() * r.norm()).clamp(min=1e-30))
+        rows.append({"param": n, "rel_err": d / max(rn, 1e-30), "cos": cos})
+        num, den = num + d * d, den + rn * rn
+    low = min(rows, key=lambda x: x["cos"])
+    return {"global_rel_err": math.sqrt(num / max(den, 1e-30)), "min_cos": low["cos"], "min_cos_param": low["param"],
+            "per_param": rows}
+
+
+def compile_count() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def release_compiled(cuda: bool) -> None:
+    """Drop the compiled graphs and their CUDA-graph memory pool (the eager step needs that memory)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    if cuda:
+        from torch._inductor.cudagraph_trees import reset_cudagraph_trees
+
+        reset_cudagraph_trees()
+        torch.cuda.empty_cache()

@@ -1,0 +1,92 @@
+"""The settings of a training run: TrainConfig (each check names its flag), what identifies a run, its errors."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash.core.config import check
+from dflash.core.errors import DflashError
+
+
+class TrainError(DflashError):
+    """A run that cannot proceed; the message says why and what to do."""
+
+
+class NonFiniteLoss(TrainError):
+    pass
+
+
+@dataclass
+class TrainConfig:
+    cache: str = ""
+    target: str = ""
+    out: str = ""
+    # drafter
+    drafter_layers: int = 5
+    block_size: int = 16
+    mask_token_id: int | None = None
+    # objective
+    num_anchors: int = 512
+    gamma: float = 7.0
+    # batches and schedule
+    batch_rows: int = 4
+    grad_accum: int = 1
+    max_steps: int | None = None
+    epochs: float | None = None
+    lr: float = 6e-4
+    min_lr_ratio: float = 0.0
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    seed: int = 0
+    # execution
+    device: str = "auto"
+    param_dtype: str = "auto"  # bfloat16 on GPU (as the peers), float32 on CPU
+    attn: str = "auto"  # flex on GPU, split on CPU (train/attention.py); sdpa = the dense-mask reference
+    compile: str = "auto"  # on (GPU), off (CPU), or force either
+    compile_check: bool = True  # check the compiled step against an eager reference on the first batch
+    loader_threads: int = 4
+    prefetch: int = 4
+    # bookkeeping
+    log_every: int = 10
+    save_every: int = 500
+    keep_checkpoints: int = 2
+    overwrite: bool = False
+    wandb_project: str | None = None
+    wandb_run_name: str | None = None
+    wandb_mode: str | None = None  # online / offline
+    progress: bool = True
+
+    def __post_init__(self):
+        check(bool(self.cache), "cache", "is required (a cache written by `dflash extract`)")
+        check(bool(self.target), "target", "is required (the same target model the cache was extracted from)")
+        check(bool(self.out), "out", "is required (the run directory)")
+        check(self.drafter_layers >= 1, "drafter_layers", f"must be >= 1, got {self.drafter_layers}")
+        check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+        check(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
+        check(self.gamma > 0, "gamma", "must be > 0")
+        check(self.batch_rows >= 1, "batch_rows", f"must be >= 1, got {self.batch_rows}")
+        check(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
+        check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
+        check(self.epochs is None or self.epochs > 0, "epochs", "must be > 0")
+        check(not (self.max_steps and self.epochs), "max_steps", "and --epochs are exclusive: give one")
+        check(self.lr > 0, "lr", "must be > 0")
+        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        check(self.grad_clip > 0, "grad_clip", "must be > 0")
+        check(self.param_dtype in ("auto", "bfloat16", "float32"), "param_dtype", "must be auto, bfloat16 or float32")
+        check(self.attn in ("auto", "flex", "split", "sdpa"), "attn", "must be auto, flex, split or sdpa")
+        check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
+        check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
+        check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
+        check(self.loader_threads >= 1, "loader_threads", f"must be >= 1 (threads that decode the cache), got {self.loader_threads}")
+        check(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
+        check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
+
+
+# Settings that define a run: rerunning into RUN with other values is an error unless --overwrite.
+IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", "num_anchors", "gamma", "batch_rows",
+            "grad_accum", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
+            "param_dtype", "attn")
