@@ -100,3 +100,21 @@ def test_a_wheel_installed_in_a_fresh_venv_extracts_and_trains_outside_the_check
     info = json.loads(_run([dflash, "cache", "info", "cache", "--json"], cwd=work, env=env).stdout)
     assert info["complete"] and info["rows"] > 0 and info["seq_len"] == 256  # the tiny preset's seq_len
     assert (work / "run" / "final" / "config.json").exists()
+
+
+def test_pyproject_lists_every_package_of_the_checkout():
+    """pyproject names its packages explicitly (the stage folders map into dflash): a new subpackage that is not
+    listed would be missing from every wheel while all checkout tests still pass."""
+    import tomllib
+
+    tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {pkg: REPO / tool.get("package-dir", {}).get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
+    assert all((f / "__init__.py").is_file() for f in folders.values()), folders
+    want = set()
+    for root_pkg, folder in (("dflash", REPO / "dflash"), ("dflash.extract", REPO / "extract"),
+                             ("dflash.train", REPO / "train"), ("dflash.configs", REPO / "configs"),
+                             ("dflash_cache", REPO / "dflash_cache")):
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder).parts
+            want.add(".".join((root_pkg, *rel)))
+    assert want == set(tool["packages"]), (sorted(want - set(tool["packages"])), sorted(set(tool["packages"]) - want))
