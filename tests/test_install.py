@@ -33,6 +33,17 @@ def _run(cmd, **kw):
     return r
 
 
+def _can_build_wheels_offline() -> bool:
+    import importlib.util
+
+    try:
+        import setuptools
+    except ImportError:
+        return False
+    version = tuple(int(p) for p in setuptools.__version__.split(".")[:2] if p.isdigit())
+    return version >= (70, 1) or importlib.util.find_spec("wheel") is not None
+
+
 def _dependency_paths() -> list[str]:
     """Where this interpreter finds its installed packages (site-packages and what .pth files add), the checkout
     and the standard library left out: the fresh venv sees torch & co. there, never this checkout's dflash."""
@@ -56,8 +67,11 @@ def test_a_wheel_installed_in_a_fresh_venv_extracts_and_trains_outside_the_check
             shutil.copytree(REPO / name, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy(REPO / name, src / name)
-    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q",
-          "-w", tmp_path / "wheels", src])
+    # this interpreter's setuptools builds the wheel when it can (setuptools >= 70.1 has bdist_wheel, or `wheel` is
+    # installed: the `make venv` environment); else pip's isolated build fetches a current setuptools from PyPI
+    offline = _can_build_wheels_offline()
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "wheels", src,
+          *(["--no-build-isolation", "--no-index"] if offline else [])])
     wheel = next((tmp_path / "wheels").glob("dflash-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
