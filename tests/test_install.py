@@ -45,13 +45,15 @@ def _can_build_wheels_offline() -> bool:
 
 
 def _dependency_paths() -> list[str]:
-    """Where this interpreter finds its installed packages (site-packages and what .pth files add), the checkout
-    and the standard library left out: the fresh venv sees torch & co. there, never this checkout's dflash."""
+    """Where this interpreter finds its installed packages (site-packages and what .pth files add), the checkout's
+    sources and the standard library left out: the fresh venv sees torch & co. there, never this checkout's
+    dflash. A virtualenv inside the checkout (`make test`'s .venv) is kept: its site-packages hold the deps."""
     stdlib = {os.path.realpath(sysconfig.get_paths()[k]) for k in ("stdlib", "platstdlib")}
     out = []
     for p in sys.path:
         real = os.path.realpath(p or os.getcwd())
-        if (os.path.isdir(real) and real not in stdlib and not real.startswith(str(REPO))
+        in_checkout = real == str(REPO) or (real.startswith(str(REPO) + os.sep) and "site-packages" not in real)
+        if (os.path.isdir(real) and real not in stdlib and not in_checkout  # a .venv inside the checkout stays
                 and not any(real.startswith(s + os.sep + "lib-dynload") for s in stdlib)):
             out.append(real)
     return list(dict.fromkeys(out))
