@@ -9,7 +9,7 @@ proposer (train/eval.py DFlashProposer: block tensor, positions, draft_block, ar
 observes one accepted token (extend_context), as a speculative step does. Per dtype: the median wall time of a
 step with the device synchronised, and the operators that take the most host time (torch.profiler), to tell
 kernel time from launch and Python overhead. --backends default,decode measures with PyTorch's own choice of
-SDPA kernel and with the one `dflash eval` decodes with (train/eval.py DECODE_SDPA_BACKENDS: no cuDNN).
+SDPA kernel and with the ones dflash decodes with (dflash.core.target.decode_sdpa: no cuDNN).
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ import time
 
 import torch
 
-from torch.nn.attention import sdpa_kernel
-
-from dflash.train.eval import DECODE_SDPA_BACKENDS, DFlashProposer
+from dflash.core.target import decode_sdpa
+from dflash.train.eval import DFlashProposer
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 
@@ -96,7 +95,7 @@ def main() -> None:
     for backends in args.backends.split(","):
         for d in args.dtypes.split(","):
             if backends == "decode":
-                with sdpa_kernel(DECODE_SDPA_BACKENDS):
+                with decode_sdpa():
                     r = measure(getattr(torch, d), device, args)
             else:
                 r = measure(getattr(torch, d), device, args)

@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dflash.core.target import TargetError, text_config
+from dflash.core.target import TargetError, decode_sdpa, text_config
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -305,14 +305,6 @@ def _attention_impl(model):
     return swap()
 
 
-def _sdpa_backends():
-    """SDPA without the cuDNN backend: it builds a new cuDNN graph for every new key length (every decode step),
-    ~2 ms of CPU per attention call on an H200; the memory-efficient kernel takes the boolean mask directly."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
-
-
 class Engine:
     """Batched decoding with a KV cache: add() requests, step() until idle; step() returns finished Results.
 
@@ -389,7 +381,7 @@ class Engine:
               "use_cache": True}
         if self._keep_kw:
             kw[self._keep_kw] = 1
-        with _sdpa_backends(), _attention_impl(self.model):
+        with decode_sdpa(), _attention_impl(self.model):
             logits = self.model(**kw).logits
         return logits[:, -1].float()
 

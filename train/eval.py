@@ -23,13 +23,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check
 from dflash.core.dist import compute_init, resolve_dtype
-from dflash.core.target import LayerCapture, decoder_layers, load_causal_lm, load_tokenizer
+from dflash.core.target import LayerCapture, decode_sdpa, decoder_layers, load_causal_lm, load_tokenizer
 
 from .checkpoint import load_drafter
 from .model import DFlashDrafter, rope_cos_sin
@@ -353,19 +352,13 @@ def _margin(logits: torch.Tensor) -> torch.Tensor:
     return top[..., 0] - top[..., 1]
 
 
-# Decoding attends with every SDPA kernel but cuDNN's: cuDNN builds an execution plan on the host for each new
-# sequence length, and a decode step has a new key length every time. On the H200 a bf16 draft step (block
-# forward + one observed token) took 42.9 ms with it against 2.2 ms in float32, which never uses it, 40.4 ms
-# of that in two cuDNN attention calls' host time (bench/draft_step.py, BENCHMARKS.md "GPU recipe").
-DECODE_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
 def decode_attention(fn):
-    """Run fn with the SDPA kernels of DECODE_SDPA_BACKENDS (the target's and the drafter's attention)."""
+    """Run fn with the SDPA kernels decoding uses (dflash.core.target.decode_sdpa: no cuDNN, which plans every
+    new sequence length on the host): the target's and the drafter's attention."""
 
     @functools.wraps(fn)
     def wrapped(*args, **kwargs):
-        with sdpa_kernel(DECODE_SDPA_BACKENDS):
+        with decode_sdpa():
             return fn(*args, **kwargs)
 
     return wrapped

@@ -185,6 +185,18 @@ def validate_layer_ids(layer_ids: list[int], num_layers: int, name: str = "targe
     return ids
 
 
+def decode_sdpa():
+    """A context in which SDPA uses every kernel but cuDNN's, for decoding (regenerate's engine, eval).
+
+    cuDNN's attention builds an execution plan on the host for every new sequence length, and a decode step has
+    a new key length every time: on the H200 a bf16 draft step took 42.9 ms with it against 2.2 ms in float32
+    (which never uses it), 40.4 ms of that in two cuDNN attention calls (bench/draft_step.py). The
+    memory-efficient kernel takes boolean masks directly."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
 class LayerCapture:
     """Forward hooks that copy the K chosen layers' outputs into out[..., k*H:(k+1)*H]."""
 
