@@ -2,6 +2,7 @@
 
     python bench/draft_step.py                       # SmolLM2-135M-shaped drafter (the GPU recipe's), cuda if present
     python bench/draft_step.py --device cpu --steps 5 --context 64
+    python bench/draft_step.py --graphs off,on --backends decode   # eager block forward vs one CUDA graph
 
 A random drafter of the GPU recipe's shape (hidden 576, 9 heads / 3 KV heads, MLP 1536, vocab 49152, 2 layers,
 block 8, 5 context layers) holds --context tokens of context; each step drafts one block through the eval's own
@@ -42,10 +43,10 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(dtype: torch.dtype, device: torch.device, args) -> dict:
+def measure(dtype: torch.dtype, device: torch.device, args, graph: bool = False) -> dict:
     m = drafter(dtype, device, args.layers, args.block)
     width = 5 * 576
-    prop = DFlashProposer(m, args.context + args.steps + args.block + 8)
+    prop = DFlashProposer(m, args.context + args.steps + args.block + 16, graph=graph)
     with torch.inference_mode():
         prop.start(torch.randn(1, args.context, width, device=device, dtype=dtype))
         one = torch.randn(1, 1, width, device=device, dtype=dtype)
@@ -72,7 +73,7 @@ def measure(dtype: torch.dtype, device: torch.device, args) -> dict:
                 step()
             sync(device)
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
-    return {"dtype": str(dtype).replace("torch.", ""), "ms_per_step": 1000 * statistics.median(times),
+    return {"dtype": str(dtype).replace("torch.", ""), "graph": prop.graph_status, "ms_per_step": 1000 * statistics.median(times),
             "top_host_ops": [{"op": e.key, "calls_per_step": e.count / 5, "host_ms_per_step": e.self_cpu_time_total / 5000,
                               "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 5000} for e in top]}
 
@@ -88,20 +89,23 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=8)
     ap.add_argument("--backends", default="default,decode",
                     help="default: PyTorch's SDPA kernel choice; decode: dflash eval's (no cuDNN)")
+    ap.add_argument("--graphs", default="off", help="comma list: off (eager block forward), on (eval's --draft-graph)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
     out = []
-    for backends in args.backends.split(","):
-        for d in args.dtypes.split(","):
-            if backends == "decode":
-                with decode_sdpa():
-                    r = measure(getattr(torch, d), device, args)
-            else:
-                r = measure(getattr(torch, d), device, args)
-            out.append({"backends": backends, **r})
+    for graph in args.graphs.split(","):
+        for backends in args.backends.split(","):
+            for d in args.dtypes.split(","):
+                if backends == "decode":
+                    with decode_sdpa():
+                        r = measure(getattr(torch, d), device, args, graph == "on")
+                else:
+                    r = measure(getattr(torch, d), device, args, graph == "on")
+                out.append({"backends": backends, **r})
     for r in out:
-        print(f"\n{r['dtype']}, {r['backends']} SDPA kernels: {r['ms_per_step']:.2f} ms per draft + observe step ({device})")
+        print(f"\n{r['dtype']}, {r['backends']} SDPA kernels, draft graph {r['graph']}: {r['ms_per_step']:.2f} ms "
+              f"per draft + observe step ({device})")
         print(f"  {'op':<44} {'calls':>6} {'host ms':>8} {'dev ms':>8}")
         for o in r["top_host_ops"]:
             print(f"  {o['op'][:44]:<44} {o['calls_per_step']:>6.1f} {o['host_ms_per_step']:>8.3f} {o['device_ms_per_step']:>8.3f}")

@@ -153,7 +153,7 @@ def main():
     print(f"{len(plan)} rows x {a.seq_len}, {real:,} real tokens, padding {100 * res['padding']:.2f}%", flush=True)
 
     table_rows = []
-    if "forward" not in skip or "peer" not in skip:
+    if "forward" not in skip or "peer" not in skip or "compiled" not in skip:
         pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="flex")
         if "forward" not in skip:
             for mode, cap in (("causal", False), ("flex", False), ("flex", True)):

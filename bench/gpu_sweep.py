@@ -167,8 +167,12 @@ def curve(a, prep) -> dict:
     print(text)
     with open(os.path.join(a.workdir, "curve.md"), "w") as f:
         f.write(text + "\n")
-    if rows:
+    try:
         import matplotlib
+    except ImportError:  # not a dependency: the table and curve.json are the result; plot them elsewhere
+        matplotlib = None
+        print("curve: matplotlib is not installed, no curve.png", flush=True)
+    if rows and matplotlib is not None:
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt

@@ -43,6 +43,7 @@ class GpuRecipe:
 
     heldout_percent: float = 5.0  # of conversations, chosen by a hash of the conversation id
     max_turns: int = 16  # messages kept per training conversation (user + assistant); 0 = all
+    eval_max_turns: int = 0  # eval prompts end on a user turn within the first eval_max_turns messages; 0 = max_turns
     max_conversations: int = 0  # training conversations kept (the first ones after the split); 0 = all
     eval_prompts: int = 64
     eval_max_new_tokens: int = 96
@@ -52,6 +53,8 @@ class GpuRecipe:
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
         check(self.max_turns == 0 or self.max_turns >= 2, "max_turns", f"must be 0 (all) or >= 2, got {self.max_turns}")
+        check(self.eval_max_turns == 0 or self.eval_max_turns >= 1, "eval_max_turns",
+              f"must be 0 (= max_turns) or >= 1, got {self.eval_max_turns}")
         check(self.max_conversations >= 0, "max_conversations", f"must be >= 0 (0 = all), got {self.max_conversations}")
         check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
         check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
@@ -137,7 +140,7 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
     dropped = max(0, len(pairs) - recipe.max_conversations) if recipe.max_conversations else 0
     pairs = pairs[: len(pairs) - dropped]
     samples = [s for _, s in pairs]
-    prompts = eval_prompts(held, recipe.eval_prompts, recipe.max_turns)
+    prompts = eval_prompts(held, recipe.eval_prompts, recipe.eval_max_turns or recipe.max_turns)
     kept_turns = sum(len(s) // 2 for s in samples)
     counts = {
         "conversations": len(convs), "train_conversations": len(train), "heldout_conversations": len(held),

@@ -91,6 +91,19 @@ def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns(
     assert split_data(raw, recipe)[1] == prompts  # deterministic
 
 
+def test_eval_max_turns_limits_the_prompts_not_the_training_samples():
+    raw = fake_chitchat(600)
+    base = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40)
+    short = GpuRecipe(heldout_percent=10, max_turns=8, eval_max_turns=4, eval_prompts=40)
+    s8, p8, _ = split_data(raw, base)
+    s4, p4, _ = split_data(raw, short)
+    assert s4 == s8  # training keeps max_turns
+    assert max(len(p) for p in p8) > 4 >= max(len(p) for p in p4)  # prompts end on user turn 1 or 2
+    assert {len(p) for p in p4} == {1, 3}
+    with pytest.raises(Exception, match="eval.max.turns"):
+        GpuRecipe(eval_max_turns=-1)
+
+
 def test_too_few_heldout_prompts_is_an_error_naming_the_setting():
     with pytest.raises(ValueError, match="eval_prompts"):
         split_data(fake_chitchat(30), GpuRecipe(heldout_percent=5, max_turns=4, eval_prompts=500))
