@@ -365,3 +365,21 @@ def test_extract_reads_a_regenerated_dataset(tiny, tmp_path):
     c = dflash_cache.open(str(cache))
     assert c.complete and c.real_tokens > 0
     assert "6 conversations: 6 used" in res.output
+
+
+
+def test_default_engine_budget_counts_the_stack_transient():
+    """The default KV budget leaves room for a slab's headroom and the stack of a prefill (peak ~2.5x)."""
+    from transformers import LlamaConfig
+
+    from dflash.extract.generate import kv_bytes_per_token, plan_engine
+
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
+    per = kv_bytes_per_token(cfg, torch.float32)
+    assert per == 2 * 3 * 2 * 16 * 4
+    batch, tokens, prefill = plan_engine(cfg, torch.float32, torch.device("cpu"))
+    assert (batch, prefill) == (32, 2048)
+    # CPU: 4 GiB of KV at the peak, which is 2.5x the admitted tokens
+    assert tokens == (4 << 30) * 2 // (5 * per)
+    assert 2.5 * tokens * per <= 4 << 30
+    assert plan_engine(cfg, torch.float32, torch.device("cpu"), max_batch_tokens=1000)[1] == 1000
