@@ -92,7 +92,7 @@ def sweep(a, prep) -> dict:
                                      # the preset's save_every: a point killed mid-training resumes from a checkpoint
                                      train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps},
                                      eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
-                                     ngram=ngram, eval_overrides={"draft_graph": a.draft_graph},
+                                     ngram=ngram, eval_overrides={"draft_graph": True} if a.draft_graph else None,
                                      eval_tag="graph" if a.draft_graph else "")
                 seconds["total"] = time.perf_counter() - t
                 results[key] = point(out["eval"][a.dtype], out["train"], block, layers, steps, seconds)

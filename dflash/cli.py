@@ -369,8 +369,9 @@ def train(preset, gpus, no_progress, **flags):
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
 @option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
-@option("--draft-graph", is_flag=True, default=None,
-        help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).")
+@option("--draft-graph/--no-draft-graph", default=None,
+        help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).",
+        default_text="on a GPU")
 @option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_cmd(preset, no_progress, **flags):
     """Measure a drafter by real greedy speculative decoding: tau, speed-up, losslessness.

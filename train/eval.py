@@ -53,7 +53,9 @@ class EvalConfig:
     ngram: bool = True  # also run n-gram prompt lookup (the free baseline)
     warmup_prompts: int = 2  # decoded by every method before the timed runs (kernels, allocator, caches)
     tie_margin: float = 0.5  # a differing output whose first differing token had a top-2 logit gap below this is a near tie
-    draft_graph: bool = False  # the drafter's block forward as one CUDA graph (self-checked; eager on a CPU)
+    # the drafter's block forward as one CUDA graph (checked against the eager forward first); None: on a GPU
+    # (bench/draft_step.py on the H200: 1.1 vs 3.2 ms a block in bf16), off on a CPU (no graphs there)
+    draft_graph: bool | None = None
     progress: bool = True
 
     def __post_init__(self):
@@ -561,7 +563,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     eos = eos_ids_of(model, tok) if cfg.stop_at_eos else set()
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
-    dflash = DFlashProposer(drafter, max_len, graph=cfg.draft_graph)
+    graph = dev.type == "cuda" if cfg.draft_graph is None else cfg.draft_graph
+    dflash = DFlashProposer(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
     runs: dict[str, list[Decode]] = {n: [] for n in names}
