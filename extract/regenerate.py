@@ -370,6 +370,13 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
         print0(f"regenerate: {totals['conversations']} conversations, {totals['turns']} assistant turns regenerated, "
                f"{totals['generated_tokens']:,} tokens generated ({run_stats['generated_tokens']:,} by this run on "
                f"rank 0 in {gen_s:.1f} s of generation, {summary['tokens_per_s_this_rank']:,.0f} tok/s) -> {cfg.out}")
+        eng = run_stats.get("engine")
+        if eng and eng["decode_steps"]:
+            secs = eng["seconds"]
+            print0(f"regenerate: engine: {eng['decode_steps']:,} decode steps ({secs.get('decode', 0.0):.1f} s, "
+                   f"{run_stats['generated_tokens'] / eng['decode_steps']:,.0f} rows per step on average, batch up to "
+                   f"{eng['batch_size']}, KV budget {eng['max_batch_tokens']:,} tokens), {eng['prefills']:,} prefills of "
+                   f"{eng['prompt_tokens']:,} prompt tokens ({secs.get('prefill', 0.0):.1f} s)")
         print0(f"regenerate: {totals['truncated']} turns truncated at --max-new-tokens {cfg.max_new_tokens}, "
                f"{totals['empty']} empty; {totals['skipped_no_user_turn']} conversations skipped "
                "(no user turn before the first assistant turn)")
