@@ -404,7 +404,7 @@ def eval_cmd(preset, no_progress, **flags):
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
 @option("--part-size", type=int, help="Conversations per committed part (the unit of resume).")
 @option("--batch-size", type=int, help="Sequences decoded together.", default_text="256 on GPU, 32 on CPU")
-@option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.", default_text="from free GPU memory; 4 GiB of cache on CPU")
+@option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.", default_text="what fits free GPU memory at the peak (~2.5x the admitted tokens); 4 GiB peak on CPU")
 @option("--prefill-tokens", type=int, help="Padded prompt tokens per prefill forward.", default_text="16384 on GPU, 2048 on CPU")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")

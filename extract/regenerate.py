@@ -83,7 +83,7 @@ class RegenerateConfig:
     chat_template_kwargs: dict = field(default_factory=dict)
     part_size: int = 256
     batch_size: int = 0  # 0: 256 on GPU, 32 on CPU
-    max_batch_tokens: int = 0  # 0: from free memory (GPU) / 4 GiB of KV cache (CPU)
+    max_batch_tokens: int = 0  # 0: what fits free memory at the peak (GPU) / a 4 GiB peak (CPU); plan_engine
     prefill_tokens: int = 0  # 0: 16384 on GPU, 2048 on CPU
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     stop_at_eos: bool = True
