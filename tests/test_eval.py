@@ -160,6 +160,14 @@ def test_eval_cli_reports_tau_speed_losslessness_and_plot(target_dir, tmp_path, 
         assert rep[k]["outputs_identical"] == 3 and rep[k]["output_match_rate"] == 1.0  # lossless in float32
         assert 1.0 <= rep[k]["tau"] <= 4.0 and len(rep[k]["slot_accept_rate"]) == 3
     assert (tmp_path / "acc.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert rep["draft_graph"] == "off"  # the default: a CUDA graph on a GPU only
+    forced = subprocess.run([sys.executable, "-m", "dflash", "eval", "--target", target_dir, "--drafter",
+                             str(tmp_path / "drafter"), "--data", data, "--max-prompts", "2", "--max-new-tokens", "12",
+                             "--draft-graph", "--json", str(tmp_path / "forced.json"), "--no-progress"],
+                            cwd=ROOT, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    rep2 = json.loads((tmp_path / "forced.json").read_text())
+    assert rep2["draft_graph"] == "static" and rep2["dflash"]["outputs_identical"] == 2  # fixed shapes, no graph on CPU
     bad = subprocess.run([sys.executable, "-m", "dflash", "eval", "--target", target_dir, "--drafter",
                           str(tmp_path / "nope"), "--data", data], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode != 0
