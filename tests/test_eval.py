@@ -11,7 +11,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
 
-from dflash.train.eval import Decode, DFlashProposer, NgramProposer, Target, crop_cache, greedy, speculative, summarize
+from dflash.train.decode import Decode, DFlashProposer, NgramProposer, Target, crop_cache, greedy, speculative
+from dflash.train.eval import summarize
 from dflash.train.checkpoint import save_drafter  # noqa: E402
 from dflash.train.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
@@ -218,7 +219,7 @@ def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
 def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
     """StaticDraft (fixed shapes: the whole context cache under a mask; a CUDA graph on a GPU) drafts what
     draft_block drafts, and a proposer using it reuses one cache across prompts without leaking context."""
-    from dflash.train.eval import StaticDraft
+    from dflash.train.decode import StaticDraft
 
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(model.config, num_layers=2, layer_ids=[1, 3], block_size=5,
