@@ -21,6 +21,11 @@ The generator (Engine) is a plain decoding loop over the HF causal LM (no `model
     prefilled together (only the last position's logits are computed) and merged into the running batch, their
     cache right-aligned with it. A multi-turn conversation's next turn joins the queue as soon as its previous
     turn is done, so there is no barrier between turns, nor between parts;
+  * a multi-turn conversation can continue in its row (Engine(follow=...)): when a turn ends, the caller hands
+    the tokens between this answer and the next one (end of turn, the next user turn, the next assistant
+    header); the row feeds them one per decode step (forced: nothing sampled is kept) and then generates the
+    next answer, so the history is never prefilled again. A continuation that would break the batch's token
+    budget is refused and the caller queues the next turn as a new prompt;
   * greedy or temperature/top-p sampling. Sampling draws one uniform per row and step from a counter-based hash of
     (seed, dataset row, turn, step): the text of a conversation depends on neither the batch it ran in, nor the
     part size, nor the number of GPUs, so a rerun reproduces it.
@@ -31,7 +36,8 @@ from __future__ import annotations
 import heapq
 import inspect
 import time
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -235,6 +241,7 @@ class Result:
     stopped: bool  # True: ended by an end-of-sequence id; False: cut at max_new_tokens (truncated)
     prompt_len: int
     generated: int  # tokens the model produced, the stop id included
+    continued: bool = False  # the row goes on with the caller's continuation (Engine(follow=...)): do not resubmit
 
     @property
     def truncated(self) -> bool:
@@ -242,10 +249,22 @@ class Result:
 
 
 @dataclass
+class Continuation:
+    """What Engine(follow=...) returns for a finished turn to go on in the same row: the token ids between the
+    answer just generated (without its stop id) and the next answer (e.g. end of turn, the next user turn, the
+    assistant header), then up to max_new_tokens generated with the sampling stream rng_key."""
+
+    forced: list[int]
+    max_new_tokens: int
+    rng_key: int = 0
+
+
+@dataclass
 class _Row:
     req: Request
     out: list[int] = field(default_factory=list)
     done: bool = False  # finished, still in the batch until the next compaction (its tokens are ignored)
+    forced: deque = field(default_factory=deque)  # continuation ids still to feed (each replaces a step's sample)
 
 
 def check_attention_only(cfg, name: str) -> None:
@@ -311,12 +330,13 @@ class Engine:
     batch_size: rows decoded together. max_batch_tokens: bound on rows x cache columns, checked when rows are
     admitted against the columns the batch can reach (admitted rows may all still run to max_new_tokens).
     prefill_tokens: bound on padded prompt tokens per prefill forward. refill: admit waiting prompts once at least
-    this many slots are free (default a quarter of the batch; always when the batch is empty).
+    this many slots are free (default a quarter of the batch; always when the batch is empty). follow: called
+    with each finished turn's Result; a Continuation keeps the row going (module docstring), None ends it.
     """
 
     def __init__(self, model, *, eos_ids: Iterable[int], batch_size: int, max_batch_tokens: int,
                  prefill_tokens: int, temperature: float = 0.0, top_p: float = 1.0, pad_id: int = 0,
-                 refill: int | None = None):
+                 refill: int | None = None, follow: Callable[[Result], Continuation | None] | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.eos = frozenset(int(i) for i in eos_ids)
@@ -344,6 +364,10 @@ class Engine:
         self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}  # wall time per phase (host-synced)
         self.dead = 0  # finished rows still in the batch
         self.compactions = 0
+        self.follow = follow
+        self.continued = 0  # turns that went on in their row
+        self.forced_tokens = 0  # continuation ids fed (the history a new prompt would have prefilled is not counted)
+        self.refused = 0  # continuations refused by the token budget (the caller resubmitted those turns)
 
     # -- queue --------------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -395,7 +419,7 @@ class Engine:
         """Prefill one chunk of waiting prompts (within the budgets) into the batch: (admitted, finished)."""
         free = self.batch_size - len(self.rows)
         n_now = 0 if self.mask is None else self.mask.shape[1]
-        reach = max((r.req.max_new_tokens - len(r.out) for r in self.rows if not r.done), default=0)
+        reach = max((r.req.max_new_tokens - len(r.out) + len(r.forced) for r in self.rows if not r.done), default=0)
         chosen: list[Request] = []
         width = 0
         while self.pending and len(chosen) < free:
@@ -459,30 +483,68 @@ class Engine:
         self.pos = self.pos + 1
         self.last = self._sample(logits, self.rows)
         self.steps += 1
-        return self._emit(self.last.tolist(), start=0)
+        fed = [i for i, r in enumerate(self.rows) if r.forced and not r.done]
+        if fed:  # continuing rows: their next input is the caller's token, not the sample
+            self.last[fed] = torch.tensor([self.rows[i].forced.popleft() for i in fed], device=self.device)
+        return self._emit(self.last.tolist(), start=0, skip=set(fed))
 
-    def _emit(self, tokens: list[int], start: int) -> list[Result]:
-        """Append tokens to the live rows start.. and return the rows that finished as Results. A finished row stays
-        in the batch (decoded, its tokens ignored) until the finished rows are a quarter of the batch or of the
-        refill threshold: then one compaction copies the cache once, instead of once per step in which a row ends."""
+    def _emit(self, tokens: list[int], start: int, skip: set[int] | None = None) -> list[Result]:
+        """Append tokens to the live rows start.. (except those in skip: fed a continuation id this step) and return
+        the rows that finished as Results. A finished row stays in the batch (decoded, its tokens ignored) until the
+        finished rows are a quarter of the batch or of the refill threshold: then one compaction copies the cache
+        once, instead of once per step in which a row ends. A finished row whose follow() gives a Continuation
+        goes on instead (its Result says continued)."""
         done = []
+        inputs: list[tuple[int, int]] = []  # (row, id): a stopped row's next input is its continuation's first id
         for i, t in enumerate(tokens, start):
             row = self.rows[i]
-            if row.done:
+            if row.done or (skip and i in skip):
                 continue
             row.out.append(t)
             self.generated += 1
             stop = t in self.eos
             if stop or len(row.out) >= row.req.max_new_tokens:
                 toks = row.out[:-1] if stop else row.out
-                done.append(Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out)))
+                res = Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out))
+                done.append(res)
+                cont = self.follow(res) if self.follow is not None else None
+                if cont is not None and self._goes_on(row, res, cont, stop, inputs, i):
+                    continue
                 row.done = True
                 self.dead += 1
+        if inputs:
+            idx = torch.tensor([i for i, _ in inputs], device=self.device)
+            self.last[idx] = torch.tensor([v for _, v in inputs], device=self.device)
         if self.dead and self.dead >= max(1, min(self.refill, len(self.rows) // 4)):
             t = time.perf_counter()
             self._retain([i for i, r in enumerate(self.rows) if not r.done])
             self.seconds["batch_edit"] += time.perf_counter() - t
         return done
+
+    def _goes_on(self, row: _Row, res: Result, cont: Continuation, stop: bool, inputs: list, i: int) -> bool:
+        """Continue `row` with `cont` if the batch's token budget allows it; True if it does."""
+        feed = list(map(int, cont.forced))
+        if not feed or cont.max_new_tokens < 1:
+            return False
+        cols = self.mask.shape[1] if self.mask is not None else 0
+        live = sum(not r.done for r in self.rows)
+        if live > 1 and live * (cols + len(feed) + cont.max_new_tokens) > self.max_batch_tokens:
+            self.refused += 1
+            return False
+        # the cache holds the prompt and the answer but its newest token: a stopped row's stop id is replaced by
+        # the continuation's first id; a truncated row's last answer token is fed first
+        if stop:
+            inputs.append((i, feed[0]))
+            feed = feed[1:]
+        context = row.req.prompt + res.tokens + list(map(int, cont.forced))
+        row.req = Request(context, int(cont.max_new_tokens), key=row.req.key, rng_key=int(cont.rng_key),
+                          priority=row.req.priority)
+        row.out = []
+        row.forced = deque(feed)
+        res.continued = True
+        self.continued += 1
+        self.forced_tokens += len(cont.forced)
+        return True
 
     def _retain(self, keep: list[int]) -> None:
         self.dead = 0

@@ -45,6 +45,7 @@ from dflash_cache.lock import LOCK_NAME
 
 from .data import ChatTokenizer, tokenizer_fingerprint
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
+    Continuation,
     Engine,
     Request,
     Result,
@@ -87,6 +88,9 @@ class RegenerateConfig:
     prefill_tokens: int = 0  # 0: 16384 on GPU, 2048 on CPU
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     stop_at_eos: bool = True
+    # a conversation's next turn goes on in its row (the template tokens between the turns are fed; the history
+    # is not prefilled again); False: every turn is a new prompt, its whole history prefilled
+    continue_turns: bool = True
     overwrite: bool = False
     device: str = "auto"
     progress: bool = True
@@ -115,13 +119,14 @@ class RegenerateConfig:
             "top_p": float(self.top_p) if self.temperature > 0 else 1.0, "seed": self.seed if self.temperature > 0 else 0,
             "chat_template_kwargs": dict(self.chat_template_kwargs or {}), "part_size": self.part_size,
             "dtype": str(dtype).replace("torch.", ""), "stop_at_eos": self.stop_at_eos,
+            "continue_turns": self.continue_turns,
         }
 
 
 _SETTING_FLAGS = {"data": "data", "split": "split", "max_samples": "max_samples", "max_new_tokens": "max_new_tokens",
                   "temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "chat_template_kwargs": "chat_template_kwargs", "part_size": "part_size", "dtype": "dtype",
-                  "stop_at_eos": "stop_at_eos", "rows": "data", "chat_template_fingerprint": "chat_template",
+                  "stop_at_eos": "stop_at_eos", "continue_turns": "continue_turns", "rows": "data", "chat_template_fingerprint": "chat_template",
                   "tokenizer_fingerprint": "target", "target": "target"}
 
 
@@ -135,6 +140,8 @@ class Conversation:
     messages: list[dict]  # role/content; assistant contents are replaced as turns complete
     turns: list[int]  # indices of the assistant messages to generate, in order
     next: int = 0  # index into turns of the turn being generated
+    prompt_ids: list[int] = field(default_factory=list)  # the prompt of the turn being generated (token ids)
+    next_ids: list[int] = field(default_factory=list)  # the next turn's prompt, when the turn went on in its row
 
 
 def conversation(example, row: int, source: str) -> tuple[Conversation | None, str | None]:
@@ -376,7 +383,9 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
             print0(f"regenerate: engine: {eng['decode_steps']:,} decode steps ({secs.get('decode', 0.0):.1f} s, "
                    f"{run_stats['generated_tokens'] / eng['decode_steps']:,.0f} rows per step on average, batch up to "
                    f"{eng['batch_size']}, KV budget {eng['max_batch_tokens']:,} tokens), {eng['prefills']:,} prefills of "
-                   f"{eng['prompt_tokens']:,} prompt tokens ({secs.get('prefill', 0.0):.1f} s)")
+                   f"{eng['prompt_tokens']:,} prompt tokens ({secs.get('prefill', 0.0):.1f} s); "
+                   f"{eng['continued_turns']:,} turns went on in their row ({eng['continuation_tokens']:,} template "
+                   f"and user tokens fed, {eng['continuations_refused']:,} refused by the KV budget)")
         print0(f"regenerate: {totals['truncated']} turns truncated at --max-new-tokens {cfg.max_new_tokens}, "
                f"{totals['empty']} empty; {totals['skipped_no_user_turn']} conversations skipped "
                "(no user turn before the first assistant turn)")
@@ -412,14 +421,35 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                                              cfg.prefill_tokens)
     eos = eos_ids_of(model, tokenizer) if cfg.stop_at_eos else set()
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (min(eos) if eos else 0)
-    eng = Engine(model, eos_ids=eos, batch_size=batch, max_batch_tokens=max_tokens, prefill_tokens=prefill,
-                 temperature=cfg.temperature, top_p=cfg.top_p, pad_id=pad)
     seed = cfg.seed if cfg.temperature > 0 else 0
+
+    def follow(res: Result) -> Continuation | None:
+        """The next turn in the same row: the next prompt (rendered and tokenised exactly as a new prompt would be)
+        minus what the row already holds, when it starts with this prompt's ids and this answer's ids; else None
+        (a template that rewrites the history, or an answer that tokenises differently as text: the next turn is
+        submitted as a new prompt). Either way the next turn sees the same token ids."""
+        p, c = res.key
+        if c.next + 1 >= len(c.turns):
+            return None
+        i, j = c.turns[c.next], c.turns[c.next + 1]
+        answer = tokenizer.decode(res.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        msgs = [*c.messages[:i], {"role": "assistant", "content": answer}, *c.messages[i + 1:j]]
+        ids = tokenizer(chat.render(msgs, True, f"{cfg.data}, row {c.row}"), add_special_tokens=False)["input_ids"]
+        n, m = len(c.prompt_ids), len(res.tokens)
+        if len(ids) <= n + m or ids[:n] != c.prompt_ids or ids[n:n + m] != res.tokens:
+            return None
+        c.next_ids = ids
+        return Continuation(ids[n + m:], cfg.max_new_tokens, rng_key(seed, c.row, c.next + 1))
+
+    eng = Engine(model, eos_ids=eos, batch_size=batch, max_batch_tokens=max_tokens, prefill_tokens=prefill,
+                 temperature=cfg.temperature, top_p=cfg.top_p, pad_id=pad,
+                 follow=follow if cfg.continue_turns else None)
 
     def submit(p: int, c: Conversation) -> None:
         i = c.turns[c.next]
         text = chat.render(c.messages[:i], True, f"{cfg.data}, row {c.row}")
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        c.prompt_ids = ids
         eng.add(Request(ids, cfg.max_new_tokens, key=(p, c), rng_key=rng_key(seed, c.row, c.next),
                         priority=(p, -len(ids), c.row)))
 
@@ -461,7 +491,10 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                 st["truncated"] += int(res.truncated)
                 c.next += 1
                 if c.next < len(c.turns):
-                    submit(p, c)
+                    if res.continued:  # the engine goes on with this conversation in its row
+                        c.prompt_ids = c.next_ids
+                    else:
+                        submit(p, c)
                     continue
                 st["conversations"] += 1
                 bar.update(1)
@@ -477,7 +510,8 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         bar.close()
     return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0,
             "engine": {"decode_steps": eng.steps, "prefills": eng.prefills, "compactions": eng.compactions,
-                       "prompt_tokens": eng.prompt_tokens,
+                       "prompt_tokens": eng.prompt_tokens, "continued_turns": eng.continued,
+                       "continuation_tokens": eng.forced_tokens, "continuations_refused": eng.refused,
                        "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
                        "seconds": dict(eng.seconds)}}
 
