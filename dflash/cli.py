@@ -407,8 +407,8 @@ def eval_cmd(preset, no_progress, **flags):
 @option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.", default_text="what fits free GPU memory at the peak (~2.5x the admitted tokens); 4 GiB peak on CPU")
 @option("--prefill-tokens", type=int, help="Padded prompt tokens per prefill forward.", default_text="16384 on GPU, 2048 on CPU")
 @option("--continue-turns/--no-continue-turns", default=None,
-        help="Let a conversation's next turn go on in its row of the batch (only the tokens between the turns are fed) "
-             "instead of prefilling its whole history again.")
+        help="Let a conversation's next turn go on in its row of the batch (the ids between the turns are fed one per "
+             "decode step) instead of prefilling its whole history again; the same text either way.")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
