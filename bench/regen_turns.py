@@ -58,7 +58,8 @@ def main(argv=None) -> dict:
                                             continue_turns=on, device=a.device, dtype=a.dtype, progress=False))
         e = s["engine_this_rank"]
         rows = []
-        for name in sorted(n for n in os.listdir(os.path.join(d, "data")) if n.startswith("part-") and n.endswith(".jsonl")):
+        parts = sorted(n for n in os.listdir(os.path.join(d, "data")) if n.startswith("part-") and n.endswith(".jsonl"))
+        for name in parts:
             with open(os.path.join(d, "data", name)) as f:
                 rows += [json.loads(line) for line in f]
         out["on" if on else "off"] = {

@@ -49,15 +49,14 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
     Engine,
     Request,
     Result,
-    check_attention_only,
     generate,
     kv_bytes_per_token,
     plan_engine,
     rng_key,
     sample,
-    slab_cache,
     uniforms,
 )
+from .slab import check_attention_only, slab_cache  # noqa: F401  (slab_cache: re-exported as before)
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
@@ -127,7 +126,8 @@ class RegenerateConfig:
 _SETTING_FLAGS = {"data": "data", "split": "split", "max_samples": "max_samples", "max_new_tokens": "max_new_tokens",
                   "temperature": "temperature", "top_p": "top_p", "seed": "seed",
                   "chat_template_kwargs": "chat_template_kwargs", "part_size": "part_size", "dtype": "dtype",
-                  "stop_at_eos": "stop_at_eos", "continue_turns": "continue_turns", "rows": "data", "chat_template_fingerprint": "chat_template",
+                  "stop_at_eos": "stop_at_eos", "continue_turns": "continue_turns", "rows": "data",
+                  "chat_template_fingerprint": "chat_template",
                   "tokenizer_fingerprint": "target", "target": "target"}
 
 
