@@ -5,11 +5,17 @@
         --json /root/work/sweep.json
     # tau against training tokens for the recipe's own run (its checkpoints, every save_every steps)
     python bench/gpu_sweep.py --workdir /root/work/demo-gpu --curve --json /root/work/curve.json
+    # tau from an fp8 cache at the recipe's scale, and bf16's spread over seeds (the same regenerated data)
+    python bench/gpu_sweep.py --workdir /root/work/demo-gpu --blocks 8 --layers 2 --steps 3000 --eval-prompts 48 \
+        --hidden-dtype fp8
+    python bench/gpu_sweep.py --workdir /root/work/demo-gpu --blocks 8 --layers 2 --steps 3000 --eval-prompts 48 \
+        --seeds 1,2
 
 The workdir is the GPU recipe's (`dflash demo --recipe gpu --workdir W`): target, data, regenerated
 responses and the cache are reused, or made (and resumed) if missing. Each sweep point trains into
-W/sweep/b{B}-l{L}-s{S}/ and is recorded in W/sweep/results.json as soon as it is evaluated: a rerun skips
-finished points, so the sweep can span several device calls. --target DIR uses another HF model folder of
+W/sweep/b{B}-l{L}-s{S}[-{dtype}][-seed{N}]/ and is recorded in W/sweep/results.json as soon as it is evaluated: a
+rerun skips finished points, so the sweep can span several device calls. --hidden-dtype fp8|fp4 extracts a second
+cache (W/cache-fp8) from the same regenerated data and trains from it; --seeds trains each point once per seed. --target DIR uses another HF model folder of
 the same tokenizer (e.g. bench/random_smollm2.py's random model) instead of the bundled SmolLM2. Runs on
 CPU at a tiny size (--config a smaller preset, --device cpu), for smoke tests.
 """
@@ -57,12 +63,12 @@ def point(ev: dict, train: dict, block: int, layers: int, steps: int, seconds: d
 
 
 def table(rows: list[dict]) -> str:
-    head = ["block", "layers", "steps", "tau", "n-gram tau", "target tok/s", "dflash tok/s", "n-gram tok/s",
+    head = ["cache", "seed", "block", "layers", "steps", "tau", "n-gram tau", "target tok/s", "dflash tok/s", "n-gram tok/s",
             "speed-up", "draft+verify ms", "identical", "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for r in sorted(rows, key=lambda r: -r["speedup"]):
         lines.append("| " + " | ".join([
-            str(r["block"]), str(r["layers"]), str(r["steps"]), f"{r['tau']:.2f}",
+            r.get("hidden_dtype", "bf16"), str(r.get("seed", 0)), str(r["block"]), str(r["layers"]), str(r["steps"]), f"{r['tau']:.2f}",
             f"{r['tau_ngram']:.2f}" if r["tau_ngram"] is not None else "-", f"{r['target_tok_s']:.0f}",
             f"{r['dflash_tok_s']:.0f}", f"{r['ngram_tok_s']:.0f}" if r["ngram_tok_s"] else "-", f"{r['speedup']:.2f}x",
             f"{r['draft_ms']:.1f}+{r['verify_ms']:.1f}", f"{r['identical']}/{r['prompts']}",
@@ -70,38 +76,59 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def quantised_cache(a, prep):
+    """prep with its cache replaced by one of --hidden-dtype, extracted (or resumed) from the same regenerated data."""
+    import dataclasses
+
+    from dflash.core.config import build
+    from dflash.extract.run import ExtractConfig, run_extract
+
+    out = os.path.join(a.workdir, f"cache-{a.hidden_dtype}")
+    run_extract(build(ExtractConfig, a.config, "extract", {
+        "target": prep.target, "data": os.path.join(a.workdir, "regenerated"), "out": out, "device": a.device,
+        "progress": a.progress, "hidden_dtype": a.hidden_dtype}))
+    return dataclasses.replace(prep, cache=out)
+
+
 def sweep(a, prep) -> dict:
     from dflash.demo_gpu import train_and_eval
 
     res_path = os.path.join(a.workdir, "sweep", "results.json")
     results = _load(res_path)
-    for block in _ints(a.blocks):
-        for layers in _ints(a.layers):
-            for steps in _ints(a.steps):
-                key = f"b{block}-l{layers}-s{steps}" + ("-graph" if a.draft_graph else "")
-                if key in results:
-                    print(f"sweep: {key} done already: tau {results[key]['tau']:.2f}, "
-                          f"speed-up {results[key]['speedup']:.2f}x", flush=True)
-                    continue
-                # n-gram lookup depends on the block size only: measured once per block
-                ngram = not any(r["block"] == block and r["tau_ngram"] is not None for r in results.values())
-                seconds: dict = {}
-                t = time.perf_counter()
-                out = train_and_eval(prep, os.path.join(a.workdir, "sweep", f"b{block}-l{layers}-s{steps}"), a.config,
-                                     a.device, a.progress,
-                                     # the preset's save_every: a point killed mid-training resumes from a checkpoint
-                                     train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps},
-                                     eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
-                                     ngram=ngram, eval_overrides={"draft_graph": True} if a.draft_graph else None,
-                                     eval_tag="graph" if a.draft_graph else "")
-                seconds["total"] = time.perf_counter() - t
-                results[key] = point(out["eval"][a.dtype], out["train"], block, layers, steps, seconds)
-                _save(res_path, results)
-                r = results[key]
-                print(f"sweep: {key}: tau {r['tau']:.2f}, speed-up {r['speedup']:.2f}x, "
-                      f"{r['identical']}/{r['prompts']} identical, {seconds['total']:.0f} s", flush=True)
+    if a.hidden_dtype != "bf16":
+        prep = quantised_cache(a, prep)
+    variant = ("" if a.hidden_dtype == "bf16" else f"-{a.hidden_dtype}")
+    seeds = _ints(a.seeds)
+    for block, layers, steps, seed in [(b, n, s, sd) for b in _ints(a.blocks) for n in _ints(a.layers)
+                                       for s in _ints(a.steps) for sd in seeds]:
+        name = f"b{block}-l{layers}-s{steps}{variant}" + (f"-seed{seed}" if seed else "")
+        key = name + ("-graph" if a.draft_graph else "")
+        if key in results:
+            print(f"sweep: {key} done already: tau {results[key]['tau']:.2f}, "
+                  f"speed-up {results[key]['speedup']:.2f}x", flush=True)
+            continue
+        # n-gram lookup depends on the block size only: measured once per block
+        ngram = not any(r["block"] == block and r["tau_ngram"] is not None for r in results.values())
+        seconds: dict = {}
+        t = time.perf_counter()
+        out = train_and_eval(prep, os.path.join(a.workdir, "sweep", name), a.config,
+                             a.device, a.progress,
+                             # the preset's save_every: a point killed mid-training resumes from a checkpoint
+                             train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps,
+                                              "seed": seed},
+                             eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
+                             ngram=ngram, eval_overrides={"draft_graph": True} if a.draft_graph else None,
+                             eval_tag="graph" if a.draft_graph else "")
+        seconds["total"] = time.perf_counter() - t
+        results[key] = dict(point(out["eval"][a.dtype], out["train"], block, layers, steps, seconds),
+                            hidden_dtype=a.hidden_dtype, seed=seed)
+        _save(res_path, results)
+        r = results[key]
+        print(f"sweep: {key}: tau {r['tau']:.2f}, speed-up {r['speedup']:.2f}x, "
+              f"{r['identical']}/{r['prompts']} identical, {seconds['total']:.0f} s", flush=True)
     tag = "-graph" if a.draft_graph else ""
-    wanted = {f"b{b}-l{n}-s{s}{tag}" for b in _ints(a.blocks) for n in _ints(a.layers) for s in _ints(a.steps)}
+    wanted = {f"b{b}-l{n}-s{s}{variant}" + (f"-seed{sd}" if sd else "") + tag for b in _ints(a.blocks)
+              for n in _ints(a.layers) for s in _ints(a.steps) for sd in seeds}
     rows = [results[k] for k in sorted(wanted & set(results))]
     for r in rows:  # the block's n-gram figures where this point did not measure them
         if r["tau_ngram"] is None:
@@ -205,6 +232,9 @@ def main():
     ap.add_argument("--draft-graph", action="store_true",
                     help="Evaluate with the drafter's block forward as one CUDA graph (points keyed '-graph'; the "
                          "trained drafters of the same block/layers/steps are reused).")
+    ap.add_argument("--hidden-dtype", default="bf16", choices=["bf16", "fp8", "fp4"],
+                    help="Train the points from a cache of this stored dtype (extracted once into WORKDIR/cache-DTYPE).")
+    ap.add_argument("--seeds", default="0", help="Comma-separated training seeds: one run per point and seed.")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--json", help="Write the results here.")
