@@ -130,3 +130,10 @@ def test_eval_on_gpu(assets):
     assert rep["device"].startswith("cuda") and rep["dtype"] == "bfloat16"
     assert 1.0 <= rep["dflash"]["tau"] <= 4.0 and 1.0 <= rep["ngram"]["tau"] <= 4.0
     assert 0.0 <= rep["dflash"]["output_match_rate"] <= 1.0
+    assert rep["draft_graph"] == "graph"  # the default on a GPU: captured, and its first draft equals the eager one
+    out32 = str(d / "eval32.json")
+    r = _cli("eval", "--target", target, "--drafter", os.path.join(run, "final"), "--data", data, "--max-prompts", "4",
+             "--max-new-tokens", "24", "--dtype", "float32", "--json", out32)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep32 = json.load(open(out32))
+    assert rep32["draft_graph"] == "graph" and rep32["dflash"]["outputs_identical"] == 4  # lossless through the graph
