@@ -16,6 +16,7 @@ SDPA kernel and with the ones dflash decodes with (dflash.core.target.decode_sdp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -97,10 +98,7 @@ def main() -> None:
     for graph in args.graphs.split(","):
         for backends in args.backends.split(","):
             for d in args.dtypes.split(","):
-                if backends == "decode":
-                    with decode_sdpa():
-                        r = measure(getattr(torch, d), device, args, graph == "on")
-                else:
+                with decode_sdpa() if backends == "decode" else contextlib.nullcontext():
                     r = measure(getattr(torch, d), device, args, graph == "on")
                 out.append({"backends": backends, **r})
     for r in out:

@@ -15,9 +15,10 @@ The workdir is the GPU recipe's (`dflash demo --recipe gpu --workdir W`): target
 responses and the cache are reused, or made (and resumed) if missing. Each sweep point trains into
 W/sweep/b{B}-l{L}-s{S}[-{dtype}][-seed{N}]/ and is recorded in W/sweep/results.json as soon as it is evaluated: a
 rerun skips finished points, so the sweep can span several device calls. --hidden-dtype fp8|fp4 extracts a second
-cache (W/cache-fp8) from the same regenerated data and trains from it; --seeds trains each point once per seed. --target DIR uses another HF model folder of
-the same tokenizer (e.g. bench/random_smollm2.py's random model) instead of the bundled SmolLM2. Runs on
-CPU at a tiny size (--config a smaller preset, --device cpu), for smoke tests.
+cache (W/cache-fp8) from the same regenerated data and trains from it; --seeds trains each point once per seed.
+--target DIR uses another HF model folder of the same tokenizer (e.g. bench/random_smollm2.py's random model)
+instead of the bundled SmolLM2. Runs on CPU at a tiny size (--config a smaller preset, --device cpu), for smoke
+tests.
 """
 
 from __future__ import annotations
@@ -90,6 +91,12 @@ def quantised_cache(a, prep):
     return dataclasses.replace(prep, cache=out)
 
 
+def point_name(block: int, layers: int, steps: int, hidden_dtype: str, seed: int) -> str:
+    """A sweep point's run directory and (with "-graph" for --draft-graph) its key in results.json."""
+    return (f"b{block}-l{layers}-s{steps}" + ("" if hidden_dtype == "bf16" else f"-{hidden_dtype}")
+            + (f"-seed{seed}" if seed else ""))
+
+
 def sweep(a, prep) -> dict:
     from dflash.demo_gpu import train_and_eval
 
@@ -97,12 +104,12 @@ def sweep(a, prep) -> dict:
     results = _load(res_path)
     if a.hidden_dtype != "bf16":
         prep = quantised_cache(a, prep)
-    variant = ("" if a.hidden_dtype == "bf16" else f"-{a.hidden_dtype}")
-    seeds = _ints(a.seeds)
-    for block, layers, steps, seed in [(b, n, s, sd) for b in _ints(a.blocks) for n in _ints(a.layers)
-                                       for s in _ints(a.steps) for sd in seeds]:
-        name = f"b{block}-l{layers}-s{steps}{variant}" + (f"-seed{seed}" if seed else "")
-        key = name + ("-graph" if a.draft_graph else "")
+    tag = "-graph" if a.draft_graph else ""
+    points = [(b, n, s, sd) for b in _ints(a.blocks) for n in _ints(a.layers) for s in _ints(a.steps)
+              for sd in _ints(a.seeds)]
+    for block, layers, steps, seed in points:
+        name = point_name(block, layers, steps, a.hidden_dtype, seed)
+        key = name + tag
         if key in results:
             print(f"sweep: {key} done already: tau {results[key]['tau']:.2f}, "
                   f"speed-up {results[key]['speedup']:.2f}x", flush=True)
@@ -126,9 +133,7 @@ def sweep(a, prep) -> dict:
         r = results[key]
         print(f"sweep: {key}: tau {r['tau']:.2f}, speed-up {r['speedup']:.2f}x, "
               f"{r['identical']}/{r['prompts']} identical, {seconds['total']:.0f} s", flush=True)
-    tag = "-graph" if a.draft_graph else ""
-    wanted = {f"b{b}-l{n}-s{s}{variant}" + (f"-seed{sd}" if sd else "") + tag for b in _ints(a.blocks)
-              for n in _ints(a.layers) for s in _ints(a.steps) for sd in seeds}
+    wanted = {point_name(b, n, s, a.hidden_dtype, sd) + tag for b, n, s, sd in points}
     rows = [results[k] for k in sorted(wanted & set(results))]
     for r in rows:  # the block's n-gram figures where this point did not measure them
         if r["tau_ngram"] is None:

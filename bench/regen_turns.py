@@ -39,7 +39,7 @@ def main(argv=None) -> dict:
     from dflash.core.io import atomic_jsonl
     from dflash.demo_gpu import GpuRecipe, split_data
     from dflash.demo_assets import chitchat_json
-    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.regenerate import RegenerateConfig, committed_parts, part_name, run_regenerate
 
     work = a.workdir or tempfile.mkdtemp(prefix="regen-turns-")
     os.makedirs(work, exist_ok=True)
@@ -58,9 +58,8 @@ def main(argv=None) -> dict:
                                             continue_turns=on, device=a.device, dtype=a.dtype, progress=False))
         e = s["engine_this_rank"]
         rows = []
-        parts = sorted(n for n in os.listdir(os.path.join(d, "data")) if n.startswith("part-") and n.endswith(".jsonl"))
-        for name in parts:
-            with open(os.path.join(d, "data", name)) as f:
+        for p in sorted(committed_parts(d)):
+            with open(os.path.join(d, "data", part_name(p))) as f:
                 rows += [json.loads(line) for line in f]
         out["on" if on else "off"] = {
             "generation_s": s["generation_s_this_rank"], "generated_tokens": s["generated_tokens_this_rank"],

@@ -46,7 +46,7 @@ import torch
 
 from dflash.core.target import decode_sdpa, text_config
 
-from .slab import _attention_impl, _cache_select, _cache_stack, slab_cache
+from .slab import attention_impl, cache_select, cache_stack, slab_cache
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -227,7 +227,7 @@ class Engine:
               "use_cache": True}
         if self._keep_kw:
             kw[self._keep_kw] = 1
-        with decode_sdpa(), _attention_impl(self.model):
+        with decode_sdpa(), attention_impl(self.model):
             logits = self.model(**kw).logits
         return logits[:, -1].float()
 
@@ -289,7 +289,7 @@ class Engine:
             n_old = self.mask.shape[1]
             w = max(n_old, width)
             pad = torch.nn.functional.pad
-            self.cache = _cache_stack(self.cache, cache, w)
+            self.cache = cache_stack(self.cache, cache, w)
             self.mask = torch.cat([pad(self.mask, (w - n_old, 0)), pad(real, (w - width, 0))], 0)
             self.last = torch.cat([self.last, first])
             self.pos = torch.cat([self.pos, real.sum(-1)])
@@ -305,7 +305,7 @@ class Engine:
         self.pos = self.pos + 1
         self.last = self._sample(logits, self.rows)
         self.steps += 1
-        fed = [i for i, r in enumerate(self.rows) if r.forced and not r.done]
+        fed = [i for i, r in enumerate(self.rows) if r.forced and not r.done] if self.follow is not None else []
         if fed:  # continuing rows: their next input is the caller's token, not the sample
             self.last[fed] = torch.tensor([self.rows[i].forced.popleft() for i in fed], device=self.device)
         return self._emit(self.last.tolist(), start=0, skip=set(fed))
@@ -349,7 +349,7 @@ class Engine:
         if not feed or cont.max_new_tokens < 1:
             return False
         cols = self.mask.shape[1] if self.mask is not None else 0
-        live = sum(not r.done for r in self.rows)
+        live = len(self.rows) - self.dead
         if live > 1 and live * (cols + len(feed) + cont.max_new_tokens) > self.max_batch_tokens:
             self.refused += 1
             return False
@@ -379,7 +379,7 @@ class Engine:
         trim = int(mask.any(0).long().argmax())  # leading columns that are padding for every kept row
         self.mask = mask[:, trim:]
         self.last, self.pos = self.last[idx], self.pos[idx]
-        _cache_select(self.cache, idx, trim)
+        cache_select(self.cache, idx, trim)
         self.rows = [self.rows[i] for i in keep]
 
 

@@ -123,12 +123,12 @@ def slab_cache():
     return cache
 
 
-def _cache_select(cache, rows: torch.Tensor, trim: int) -> None:
+def cache_select(cache, rows: torch.Tensor, trim: int) -> None:
     for layer in cache.layers:
         layer.select(rows, trim)
 
 
-def _cache_stack(a, b, width: int):
+def cache_stack(a, b, width: int):
     out = slab_cache()
     for la, lb in zip(a.layers, b.layers):
         layer = _SLAB_LAYER()
@@ -169,7 +169,7 @@ _ATTN = "dflash_sdpa"
 _ATTN_REGISTERED = False
 
 
-def _attention_impl(model):
+def attention_impl(model):
     """Context: the model's sdpa attention replaced by _gqa_sdpa for the duration of a forward."""
     import contextlib
 
