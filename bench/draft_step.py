@@ -6,8 +6,8 @@
 
 A random drafter of the GPU recipe's shape (hidden 576, 9 heads / 3 KV heads, MLP 1536, vocab 49152, 2 layers,
 block 8, 5 context layers) holds --context tokens of context; each step drafts one block through the eval's own
-proposer (train/decode.py DFlashProposer: block tensor, positions, draft_block, argmax on the device) and then
-observes one accepted token (extend_context), as a speculative step does. Per dtype: the median wall time of a
+proposer (train/decode.py DFlashProposer: block tensor, positions, draft_block, argmax on the device) after the
+previous step's verified block with one accepted token (extend_context), as a speculative step does. Per dtype: the median wall time of a
 step with the device synchronised, and the operators that take the most host time (torch.profiler), to tell
 kernel time from launch and Python overhead. --backends default,decode measures with PyTorch's own choice of
 SDPA kernel and with the ones dflash decodes with (dflash.core.target.decode_sdpa: no cuDNN).
@@ -50,13 +50,13 @@ def measure(dtype: torch.dtype, device: torch.device, args, graph: bool = False)
     prop = DFlashProposer(m, args.context + args.steps + args.block + 16, graph=graph)
     with torch.inference_mode():
         prop.start(torch.randn(1, args.context, width, device=device, dtype=dtype))
-        one = torch.randn(1, 1, width, device=device, dtype=dtype)
+        block = torch.randn(1, args.block, width, device=device, dtype=dtype)  # a verified block, 1 accepted
         pos = args.context
 
         def step():
             nonlocal pos
             prop.propose([], 5, pos)
-            prop.observe(one, pos)
+            prop.observe(block, pos, 1)
             pos += 1
 
         for _ in range(3):

@@ -74,7 +74,7 @@ class Oracle:
     def start(self, hidden) -> None:
         pass
 
-    def observe(self, hidden, start) -> None:
+    def observe(self, hidden, start, count=None) -> None:
         pass
 
     def propose(self, seq, last, pos):
@@ -153,7 +153,10 @@ def scratch_context(tiny, d: DFlashDrafter, text: list[int]):
     return cache
 
 
-def test_the_drafters_context_after_acceptances_is_the_confirmed_text(tiny):
+@pytest.mark.parametrize("graph", [False, True])
+def test_the_drafters_context_after_acceptances_is_the_confirmed_text(tiny, graph):
+    """graph=True: the fixed-shape step (StaticDraft, eager on a CPU) writes every verified block whole and
+    masks what was not accepted; the context it drafts from must be the same."""
     t = Target(tiny["model"], LAYERS)
     V = tiny["model"].config.vocab_size
     d = drafter_for(tiny, seed=4)
@@ -163,7 +166,7 @@ def test_the_drafters_context_after_acceptances_is_the_confirmed_text(tiny):
         steps accept 0..3 tokens; records the drafter's context at every draft."""
 
         def __init__(self, oracle: Oracle):
-            super().__init__(d, 128)
+            super().__init__(d, 128, graph=graph)
             self.oracle, self.seen = oracle, []
 
         def propose(self, seq, last, pos):
@@ -178,6 +181,7 @@ def test_the_drafters_context_after_acceptances_is_the_confirmed_text(tiny):
         prop = Forced(Oracle(p, ref, [2, 0, 3, 1], V))
         dec = speculative(t, prop, p, 24, set())
         assert dec.tokens == ref[:24] and max(dec.accept_lengths) > 1
+        assert prop.graph_status == ("static" if graph else "off")
         full = scratch_context(tiny, d, p + ref)
         for pos, length, cpos, ks, vs in prop.seen:
             assert length == pos and cpos.tolist() == list(range(pos))  # everything before the anchor, nothing else

@@ -46,7 +46,7 @@ class Oracle:
     def start(self, hidden):
         pass
 
-    def observe(self, hidden, start):
+    def observe(self, hidden, start, count=None):
         pass
 
     def propose(self, seq, last, pos):
@@ -229,15 +229,30 @@ def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
     d.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     t = Target(model, cfg.target_layer_ids)
     t.reset()
-    _, hidden = t.forward(torch.tensor([PROMPTS[1]]), 0, hidden=True)
+    P = len(PROMPTS[1])
+    _, hidden = t.forward(torch.tensor([PROMPTS[1] + [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9]]), 0, hidden=True)
     with torch.inference_mode():
-        cache = d.new_cache(1, 64)
-        d.extend_context(cache, hidden, torch.arange(len(PROMPTS[1]))[None])
-        static = StaticDraft(d, cache, capture=True)  # no capture on a CPU: the same forward, eagerly
-        for last, pos in ((7, 9), (123, 9), (5, 12)):
+        eager = d.new_cache(1, 64)
+        fixed = d.new_cache(1, 64 + 5)
+        fixed.max_len = 64
+        with pytest.raises(ValueError, match="slack"):
+            StaticDraft(d, eager, capture=True)
+        for c in (eager, fixed):
+            d.extend_context(c, hidden[:, :P], torch.arange(P)[None])
+        static = StaticDraft(d, fixed, capture=True)  # no capture on a CPU: the same step, eagerly
+        # (last, pos, the verified block's start and accepted count); None: nothing new since the last step
+        for last, pos, start, count in ((7, P + 2, P, 2), (123, P + 2, None, 0), (5, P + 7, P + 2, 5),
+                                        (9, P + 8, P + 7, 1)):
             block = torch.tensor([[last] + [cfg.mask_token_id] * 4])
-            want = d.draft_block(cache, block, torch.arange(pos, pos + 5)[None]).argmax(-1)[0]
-            assert static(last, pos).tolist() == want.tolist()
+            if start is not None:
+                d.extend_context(eager, hidden[:, start:start + count], torch.arange(start, start + count)[None])
+            want = d.draft_block(eager, block, torch.arange(pos, pos + 5)[None])
+            got = static(last, pos, None if start is None else hidden[:, start:start + 5], start)
+            assert got.tolist() == want.argmax(-1)[0].tolist()
+            assert fixed.length == eager.length == pos
+            for i in range(len(d.layers)):  # the confirmed context is the eager one; the rest is never read
+                assert torch.allclose(fixed.k[i][:, :, :pos], eager.k[i][:, :, :pos], atol=1e-6)
+            assert fixed.pos[0, :pos].tolist() == list(range(pos))
     eos = {int(model.config.eos_token_id)} if model.config.eos_token_id is not None else set()
     eager, fixed = DFlashProposer(d, 200), DFlashProposer(d, 200, graph=True)
     drafts = {"eager": [], "fixed": []}
@@ -252,3 +267,37 @@ def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
         assert b.accept_lengths == a.accept_lengths
     assert drafts["fixed"] == drafts["eager"] and len(drafts["eager"]) > 20
     assert fixed.graph_status == "static" and eager.graph_status == "off"
+
+
+def test_decode_attention_equals_the_models_own_and_steps_aside_for_windows(tmp_path, model):
+    """Target's decode attention (no mask tensor: causal to the bottom right, GQA in place) gives the logits
+    and captured layers of the model's own sdpa for a prefill, one-token steps and a multi-token verify after
+    a cache; a model with a sliding window keeps its own attention."""
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    own = Target(model, [1, 3], attention="model")
+    assert own.attention == "sdpa"
+    steps = [(0, PROMPTS[1]), (9, [4]), (10, [8, 2, 9, 1, 7, 7, 3, 5]), (18, [6])]
+    ref = []
+    own.reset()
+    for start, ids in steps:
+        ref.append(own.forward(torch.tensor([ids]), start, hidden=True))
+    fast = Target(model, [1, 3])
+    assert fast.attention == "dflash_decode"
+    fast.reset()
+    for (start, ids), (lr, hr) in zip(steps, ref):
+        lf, hf = fast.forward(torch.tensor([ids]), start, hidden=True)
+        assert torch.allclose(lf, lr, atol=1e-5) and torch.allclose(hf, hr, atol=1e-5)
+    crop_cache(fast.cache, 12)  # a rejected draft: the verify after a crop sees only the kept positions
+    crop_cache(own.cache, 12)
+    for t in (own, fast):
+        t.logits = t.forward(torch.tensor([[5, 6, 7]]), 12, hidden=False)[0]
+    assert torch.allclose(fast.logits, own.logits, atol=1e-5)
+    Target(model, None, attention="model")  # leaves the shared model as it found it
+    assert model.config._attn_implementation == "sdpa"
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    windowed = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    t = Target(windowed, None)
+    assert t.attention == "sdpa"

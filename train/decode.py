@@ -21,7 +21,7 @@ import torch
 
 from dflash.core.target import LayerCapture, decode_sdpa, decoder_layers
 
-from .model import DFlashDrafter, rope_cos_sin
+from .model import DFlashDrafter, DrafterError, rope_cos_sin
 
 # --------------------------------------------------------------------------------------------
 # The target with KV cache and (optionally) the captured layers
@@ -35,10 +35,70 @@ def crop_cache(cache, length: int) -> None:
         cache.crop(length - cur)
 
 
+def _lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """HF attention function (registered as "dflash_decode") for ONE sequence decoded with a KV cache: query
+    position i sees every cached key and the block's keys up to i (causal, aligned to the bottom right of the
+    [q, kv] square), with no mask tensor at all. Grouped KV heads are read in place (enable_gqa). HF's own sdpa
+    path builds a 4D mask for every multi-token forward and then repeats the whole KV cache per query head
+    (repeat_kv: two copies per layer): on a launch-bound verify forward that is ~200 more host operations than a
+    one-token step (SmolLM2, 30 layers)."""
+    q, n = query.shape[2], key.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=None if q == 1 else _lower_right(q, n), scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=4)
+def _lower_right(q: int, n: int):
+    """torch's lower-right causal bias for a [q, n] attention (no tensor behind it): made once per forward, not
+    once per layer."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q, n)
+
+
+DECODE_ATTENTION = "dflash_decode"
+
+
+def decode_attention_ok(model) -> str | None:
+    """None when the target can decode with _lower_right_sdpa, else why not (sliding windows, soft-capped
+    logits or attention sinks need HF's own masks; another attention implementation than sdpa is kept)."""
+    cfg = model.config
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", DECODE_ATTENTION):
+        return f"the model uses {getattr(cfg, '_attn_implementation', None)} attention"
+    kinds = set(getattr(tc, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)}"
+    if getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True):
+        return "a sliding window"
+    if getattr(tc, "attn_logit_softcapping", None):
+        return "soft-capped attention logits"
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        return "attention sinks"
+    return None
+
+
 class Target:
-    def __init__(self, model, layer_ids: list[int] | None):
+    """The target model with a KV cache (DynamicCache) and, given layer_ids, the captured layers.
+
+    attention="auto": the target decodes with _lower_right_sdpa when decode_attention_ok(model) (both the
+    target-only baseline and the verify forwards: the same code path); "model" keeps the model's own."""
+
+    def __init__(self, model, layer_ids: list[int] | None, attention: str = "auto"):
         self.model = model
         self.device = next(model.parameters()).device
+        why = decode_attention_ok(model) if attention == "auto" else "asked for the model's own"
+        if why is None:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(DECODE_ATTENTION, _lower_right_sdpa)
+            model.config._attn_implementation = DECODE_ATTENTION
+        elif getattr(model.config, "_attn_implementation", None) == DECODE_ATTENTION:
+            model.config._attn_implementation = "sdpa"
+        self.attention = model.config._attn_implementation
         self.capture = None
         if layer_ids:
             L = len(decoder_layers(model))
@@ -88,7 +148,7 @@ class NoDraft:
     def start(self, prompt_hidden) -> None:
         pass
 
-    def observe(self, hidden, start) -> None:
+    def observe(self, hidden, start, count=None) -> None:
         pass
 
     def propose(self, seq: list[int], last: int, pos: int) -> list[int]:
@@ -96,19 +156,31 @@ class NoDraft:
 
 
 class StaticDraft:
-    """The drafter's block forward at fixed shapes: attention over the whole preallocated context cache with a
-    mask of its filled positions, so nothing depends on the context length and the forward can be captured as
-    one CUDA graph (captured on the first call on a GPU, replayed after; run eagerly on a CPU, where it is
-    tested against DFlashDrafter.draft_block). Inputs are copied into static buffers: no host sync."""
+    """One decoding step of the drafter at fixed shapes, so it can be captured as one CUDA graph (captured on
+    the first call on a GPU, replayed after; run eagerly on a CPU, where it is tested against the eager path):
+
+      1. the context features of the last verified block (the target's hidden states of all B block
+         positions, [1, B, K*H]) go into the context cache at positions start..start+B-1, although only the
+         first `count` are confirmed: the rest lie beyond the confirmed length, are never attended to, and the
+         next step overwrites them (the cache has B positions of slack);
+      2. the block after the last confirmed token attends to the whole preallocated cache under a mask of its
+         confirmed positions, so nothing depends on the context length.
+
+    The eager path does the same as DFlashDrafter.extend_context of the confirmed rows then draft_block: ~75 host
+    operations of the extension and ~175 of the draft that a graph replays as one launch. Inputs are copied
+    into static buffers: no host sync."""
 
     def __init__(self, drafter: DFlashDrafter, cache, capture: bool):
         self.d, self.cache = drafter, cache
         B, dev = drafter.cfg.block_size, cache.k[0].device
+        if cache.k[0].shape[2] < cache.max_len + B:
+            raise ValueError("StaticDraft needs a context cache with block_size positions of slack")
         self.block = torch.full((1, B), drafter.cfg.mask_token_id, dtype=torch.long, device=dev)
-        self.positions = torch.zeros(1, B, dtype=torch.long, device=dev)
         self.offsets = torch.arange(B, device=dev)[None]
-        self.n = torch.zeros((), dtype=torch.long, device=dev)
-        self.kidx = torch.arange(cache.max_len, device=dev)
+        self.start = torch.zeros((), dtype=torch.long, device=dev)  # where the pending block's features go
+        self.n = torch.zeros((), dtype=torch.long, device=dev)  # confirmed context length = position of `last`
+        self.hidden: torch.Tensor | None = None  # [1, B, K*H], allocated on the first block
+        self.kidx = torch.arange(cache.k[0].shape[2], device=dev)
         self.capture = capture and dev.type == "cuda"
         self.graph = None
         self.out = None
@@ -116,15 +188,24 @@ class StaticDraft:
     def forward(self) -> torch.Tensor:
         d, c = self.d, self.cache
         B = self.block.shape[1]
+        cpos = self.start + self.offsets  # [1, B]
+        ctx = d.fuse_context(self.hidden)
+        ccos, csin = rope_cos_sin(d.inv_freq, cpos, ctx.dtype)
+        for i, layer in enumerate(d.layers):
+            k, v = layer.self_attn.kv(ctx, ccos, csin)
+            c.k[i].index_copy_(2, cpos[0], k)
+            c.v[i].index_copy_(2, cpos[0], v)
+        c.pos.index_copy_(1, cpos[0], cpos)
+        positions = self.n + self.offsets
         x = d.embed(self.block)
-        cos, sin = rope_cos_sin(d.inv_freq, self.positions, x.dtype)
-        visible = torch.cat([self.kidx < self.n, self.kidx.new_ones(B, dtype=torch.bool)])  # [max_len + B]
+        cos, sin = rope_cos_sin(d.inv_freq, positions, x.dtype)
+        visible = torch.cat([self.kidx < self.n, self.kidx.new_ones(B, dtype=torch.bool)])  # [len + B]
         mask = visible[None, None, None, :].expand(1, 1, B, visible.shape[0])
         for i, layer in enumerate(d.layers):
             m = mask
             if layer.self_attn.window is not None:
-                kpos = torch.cat([c.pos, self.positions], 1)
-                m = mask & (self.positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
+                kpos = torch.cat([c.pos, positions], 1)
+                m = mask & (positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
             x = layer(x, cos, sin, c.k[i], c.v[i], m)
         return d.logits(x[:, 1:]).argmax(-1)[0]
 
@@ -132,7 +213,7 @@ class StaticDraft:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(2):  # the warm-up runs write what the step writes: the same values at the same places
                 self.forward()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
@@ -141,10 +222,22 @@ class StaticDraft:
         self.graph = graph
 
     @torch.inference_mode()
-    def __call__(self, last, pos: int) -> torch.Tensor:
+    def __call__(self, last, pos: int, hidden: torch.Tensor | None = None, start: int | None = None) -> torch.Tensor:
+        """The draft after `last` at position `pos` (= the confirmed length once the block is in). hidden
+        [1, B, K*H]: the verified block's features at positions start..start+B-1, confirmed up to pos; None:
+        nothing new (the block is written at pos, past the confirmed length, and overwritten later)."""
+        if pos + self.block.shape[1] > self.kidx.shape[0]:
+            raise DrafterError(f"drafter context cache is full ({self.cache.max_len} positions)")
+        if self.hidden is None:
+            if hidden is None:
+                raise ValueError("the first StaticDraft step needs a verified block's hidden states")
+            self.hidden = torch.zeros_like(hidden)
+        if hidden is not None:
+            self.hidden.copy_(hidden)
+        self.start.fill_(pos if start is None else start)
+        self.n.fill_(pos)
         self.block[0, 0] = last
-        self.positions.copy_(self.offsets + pos)
-        self.n.fill_(self.cache.length)
+        self.cache.length = pos
         if not self.capture:
             return self.forward()
         if self.graph is None:
@@ -156,9 +249,10 @@ class StaticDraft:
 class DFlashProposer:
     """Drafts B-1 tokens after the last confirmed token in one drafter forward (returned on the device).
 
-    graph=True: the block forward runs at fixed shapes (StaticDraft), as one CUDA graph on a GPU. The first
-    draft of the first prompt is checked against the eager forward; on a mismatch (or a failed capture) the
-    proposer says so and stays eager."""
+    graph=True: the step (the last verified block into the context cache, then the draft) runs at fixed shapes
+    (StaticDraft), as one CUDA graph on a GPU. The first step with a verified block (the second draft of the
+    first prompt) is checked against the eager path (extend_context + draft_block); on a mismatch (or a failed
+    capture) the proposer says so and stays eager."""
 
     name = "dflash"
     needs_hidden = True
@@ -173,44 +267,79 @@ class DFlashProposer:
         self.graph = graph
         self.cache = None
         self.static: StaticDraft | None = None
+        self.pending: tuple[torch.Tensor, int, int] | None = None  # (hidden [1, L, K*H], start, count) not yet in
         self.graph_status = "off" if not graph else "unchecked"
 
     def start(self, prompt_hidden: torch.Tensor) -> None:
         if self.cache is None or not self.graph:
             self.cache = self.d.new_cache(1, self.max_len)
+            if self.graph:  # B positions of slack: StaticDraft writes whole blocks
+                self.cache = self.d.new_cache(1, self.max_len + self.block_size)
+                self.cache.max_len = self.max_len
         else:
             self.cache.length = 0  # the same buffers for every prompt: a captured graph reads them
-        self.observe(prompt_hidden, 0)
+        self.pending = None
+        self._extend(prompt_hidden, 0)
 
     @torch.inference_mode()
-    def observe(self, hidden: torch.Tensor, start: int) -> None:
-        """Target hidden states of confirmed tokens at positions start..start+L-1."""
-        L = hidden.shape[1]
-        pos = torch.arange(start, start + L, device=hidden.device)[None]
+    def _extend(self, hidden: torch.Tensor, start: int) -> None:
+        pos = torch.arange(start, start + hidden.shape[1], device=hidden.device)[None]
         self.d.extend_context(self.cache, hidden, pos)
+
+    def observe(self, hidden: torch.Tensor, start: int, count: int | None = None) -> None:
+        """Target hidden states of the tokens at positions start..start+L-1, of which the first `count` (all
+        when None) are confirmed; they enter the context cache in the next propose()."""
+        count = hidden.shape[1] if count is None else count
+        if self.pending is not None:
+            self._flush()
+        self.pending = (hidden, start, count)
+
+    def _flush(self) -> None:
+        hidden, start, count = self.pending
+        self.pending = None
+        self._extend(hidden[:, :count], start)
 
     @torch.inference_mode()
     def _eager(self, last, pos: int) -> torch.Tensor:
+        if self.pending is not None:
+            self._flush()
         block = self._block.clone()
         block[0, 0] = last  # a device scalar (the verify step's bonus token) or an int: no host sync either way
         return self.d.draft_block(self.cache, block, self._offsets + pos).argmax(-1)[0]
 
+    def _static(self, last, pos: int) -> torch.Tensor:
+        hidden = start = None
+        if self.pending is not None:
+            hidden, start, count = self.pending
+            if hidden.shape[1] != self.block_size or start + count != pos:  # not a whole verified block
+                self._flush()
+                hidden = start = None
+            self.pending = None
+        return self.static(last, pos, hidden, start)
+
     def propose(self, seq: list[int], last: int | torch.Tensor, pos: int) -> torch.Tensor:
         if self.graph_status in ("off", "eager"):
             return self._eager(last, pos)
-        if self.graph_status == "unchecked":
-            want = self._eager(last, pos)
-            try:
-                self.static = StaticDraft(self.d, self.cache, capture=True)
-                got = self.static(last, pos)
-                why = None if bool((got == want).all()) else "its draft differs from the eager forward's"
-            except Exception as e:  # noqa: BLE001 - a failed capture leaves the eager forward, and says why
-                why = f"{type(e).__name__}: {e}"
-            if why:
-                print(f"eval: the drafter's static forward is not used ({why}); drafting eagerly", flush=True)
-            self.graph_status = "eager" if why else ("graph" if self.static.capture else "static")
-            return want
-        return self.static(last, pos)
+        if self.graph_status in ("graph", "static"):
+            return self._static(last, pos)
+        # unchecked: the first step with a whole verified block pending runs both ways, the static one first
+        pending = self.pending
+        if pending is None or pending[0].shape[1] != self.block_size:
+            return self._eager(last, pos)
+        try:
+            self.static = StaticDraft(self.d, self.cache, capture=True)
+            got = self._static(last, pos)
+        except Exception as e:  # noqa: BLE001 - a failed capture leaves the eager forward, and says why
+            got, why = None, f"{type(e).__name__}: {e}"
+        self.pending = pending  # the eager path rewrites the same cache positions
+        self.cache.length = pending[1]
+        want = self._eager(last, pos)
+        if got is not None:
+            why = None if bool((got == want).all()) else "its draft differs from the eager forward's"
+        if why:
+            print(f"eval: the drafter's static step is not used ({why}); drafting eagerly", flush=True)
+        self.graph_status = "eager" if why else ("graph" if self.static.capture else "static")
+        return want
 
 
 class NgramProposer:
@@ -226,7 +355,7 @@ class NgramProposer:
     def start(self, prompt_hidden) -> None:
         pass
 
-    def observe(self, hidden, start) -> None:
+    def observe(self, hidden, start, count=None) -> None:
         pass
 
     def propose(self, seq: list[int], last: int, pos: int) -> list[int]:
@@ -366,7 +495,7 @@ def speculative(target: Target, proposer, prompt: list[int], max_new: int, eos: 
             margin_parts[-1] = margin_parts[-1][:acc + 1]
         crop_cache(target.cache, pos + acc + 1)  # keep `last` and the accepted drafts
         if proposer.needs_hidden:
-            proposer.observe(hidden[:, : acc + 1], pos)
+            proposer.observe(hidden, pos, acc + 1)
         last_dev = post[acc]
         res.accept_lengths.append(acc + 1)
         res.steps += 1

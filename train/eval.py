@@ -224,6 +224,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     report = {
         "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
+        "target_attention": target.attention,
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
     }

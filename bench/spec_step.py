@@ -1,0 +1,109 @@
+"""What a speculative step costs beside a step of the target alone, at batch 1, as `dflash eval` decodes.
+
+    python bench/spec_step.py                          # SmolLM2-135M-shaped target and drafter, cuda if present
+    python bench/spec_step.py --device cpu --prompts 2 --max-new 16 --layers 4
+
+A random target of the GPU recipe's shape (bench/random_smollm2.py's: Llama, 30 layers, hidden 576, 9 heads /
+3 KV heads, vocab 49152) and a random drafter (bench/draft_step.py's: 2 layers, block 8) decode --prompts random
+prompts through train/decode.py's speculative() loop, the target alone (NoDraft), DFlash and n-gram lookup, with
+the target's own attention ("model": HF's sdpa, a 4D mask and a copy of the KV cache per query head for every
+multi-token forward) and with the eval's decode attention ("auto": causal to the bottom right, no mask).
+Random weights accept nothing: every step emits one token, so `step ratio` = (target ms per step) / (method ms
+per step) is the speed-up a drafter would give at tau 1, and a drafter with acceptance tau gets about tau times
+that. The drafter's step runs as one CUDA graph on a GPU (--draft-graph on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.draft_step import drafter  # noqa: E402
+from dflash.train.decode import DFlashProposer, NgramProposer, NoDraft, Target, speculative  # noqa: E402
+
+LAYER_IDS = [1, 8, 14, 20, 27]
+
+
+def target(device, dtype, layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
+                      num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                      rope_theta=100000.0, tie_word_embeddings=True, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg).to(device, dtype).eval()
+
+
+def run(args, device, dtype) -> list[dict]:
+    model = target(device, dtype, args.layers)
+    ids = [i for i in LAYER_IDS if i < args.layers] or [0]
+    d = drafter(dtype, device, args.draft_layers, args.block)
+    d.cfg.target_layer_ids = ids
+    d.fc = torch.nn.Linear(len(ids) * 576, 576, bias=False).to(device, dtype)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 49000) for _ in range(args.prompt_len)] for _ in range(args.prompts + 2)]
+    out = []
+    for attention in args.attention.split(","):
+        t = Target(model, ids, attention=attention)
+        props = [NoDraft(), DFlashProposer(d, args.prompt_len + args.max_new + args.block + 1,
+                                           graph=args.draft_graph == "on"), NgramProposer(args.block, 3)]
+        runs = {p.name: [] for p in props}
+        for i, p in enumerate(prompts):
+            for prop in props:
+                r = speculative(t, prop, p, args.max_new, set())
+                if i >= 2:  # two warm-up prompts
+                    runs[prop.name].append(r)
+        base = None
+        for name, rs in runs.items():
+            steps = sum(r.steps for r in rs)
+            secs = sum(r.seconds - r.prefill_s for r in rs)
+            row = {"attention": t.attention, "method": name, "steps": steps,
+                   "ms_per_step": 1e3 * secs / steps, "tokens_per_s": sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs),
+                   "draft_ms": 1e3 * sum(r.draft_s for r in rs) / steps, "verify_ms": 1e3 * sum(r.verify_s for r in rs) / steps,
+                   "tau": sum(sum(r.accept_lengths) for r in rs) / steps}
+            if name == "dflash":
+                row["draft_graph"] = props[1].graph_status
+            base = base or row["ms_per_step"]
+            row["step_ratio"] = base / row["ms_per_step"]
+            out.append(row)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtypes", default="bfloat16,float32")
+    ap.add_argument("--layers", type=int, default=30, help="target layers (SmolLM2-135M: 30)")
+    ap.add_argument("--draft-layers", type=int, default=2)
+    ap.add_argument("--block", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompt-len", type=int, default=300)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--attention", default="model,auto", help="comma list: model (HF's sdpa), auto (eval's default)")
+    ap.add_argument("--draft-graph", default="on" if torch.cuda.is_available() else "off", choices=["on", "off"])
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    rows = []
+    for d in args.dtypes.split(","):
+        for r in run(args, device, getattr(torch, d)):
+            rows.append({"dtype": d, **r})
+    print(f"{'dtype':<9} {'attention':<14} {'method':<7} {'ms/step':>8} {'draft':>6} {'verify':>7} {'tok/s':>7} "
+          f"{'step ratio':>10}")
+    for r in rows:
+        print(f"{r['dtype']:<9} {r['attention']:<14} {r['method']:<7} {r['ms_per_step']:>8.2f} {r['draft_ms']:>6.2f} "
+              f"{r['verify_ms']:>7.2f} {r['tokens_per_s']:>7.1f} {r['step_ratio']:>10.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "args": vars(args), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
