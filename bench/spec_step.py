@@ -86,7 +86,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=300)
     ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--attention", default="model,auto", help="comma list: model (HF's sdpa), auto (eval's default)")
+    ap.add_argument("--attention", default="model,auto",
+                    help="comma list: model (HF's sdpa), auto (eval's default: decode on a GPU in bf16), decode")
     ap.add_argument("--draft-graph", default="on" if torch.cuda.is_available() else "off", choices=["on", "off"])
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -85,19 +85,32 @@ class Oracle:
         return [t if i < right else (t + 1) % self.vocab for i, t in enumerate(true)]
 
 
-def test_greedy_and_speculative_equal_an_independent_hf_loop(tiny):
-    t = Target(tiny["model"], LAYERS)
+@pytest.mark.parametrize("attention", ["model", "decode"])
+def test_greedy_and_speculative_equal_an_independent_hf_loop(tiny, attention):
+    """Both target attentions (HF's sdpa; the eval's on a GPU: causal to the bottom right, no mask) and the
+    drafter's eager and fixed-shape steps decode what a plain HF loop decodes."""
+    m = tiny["model"]
+    t = Target(m, LAYERS, attention=attention)
+
+    def hf_greedy_own(*args):  # the reference always runs HF's own sdpa
+        m.config._attn_implementation, mine = "sdpa", m.config._attn_implementation
+        try:
+            return hf_greedy(m, *args)
+        finally:
+            m.config._attn_implementation = mine
+
     d = drafter_for(tiny)
     for p in prompts(tiny):
-        ref = hf_greedy(tiny["model"], p, 20)
+        ref = hf_greedy_own(p, 20)
         assert greedy(t, p, 20, set()).tokens == ref
-        for prop in (DFlashProposer(d, 128), NgramProposer(BLOCK, 3)):
+        for prop in (DFlashProposer(d, 128), DFlashProposer(d, 128, graph=True), NgramProposer(BLOCK, 3)):
             assert speculative(t, prop, p, 20, set()).tokens == ref, prop.name
         eos = {ref[7]}  # an end-of-sequence id the target emits: everything stops at its first occurrence
-        ref_eos = hf_greedy(tiny["model"], p, 20, eos)
+        ref_eos = hf_greedy_own(p, 20, eos)
         assert ref_eos == ref[:ref.index(ref[7]) + 1]
         assert greedy(t, p, 20, eos).tokens == ref_eos
         assert speculative(t, DFlashProposer(d, 128), p, 20, eos).tokens == ref_eos
+    Target(tiny["model"], LAYERS, attention="model")  # the shared model back to HF's sdpa for the other tests
 
 
 def test_partial_acceptance_takes_exactly_the_right_prefix_plus_the_bonus(tiny):

@@ -282,7 +282,8 @@ def test_decode_attention_equals_the_models_own_and_steps_aside_for_windows(tmp_
     own.reset()
     for start, ids in steps:
         ref.append(own.forward(torch.tensor([ids]), start, hidden=True))
-    fast = Target(model, [1, 3])
+    assert Target(model, None).attention == "sdpa"  # auto: only where the flash kernel runs it (not a CPU)
+    fast = Target(model, [1, 3], attention="decode")
     assert fast.attention == "dflash_decode"
     fast.reset()
     for (start, ids), (lr, hr) in zip(steps, ref):
@@ -299,5 +300,16 @@ def test_decode_attention_equals_the_models_own_and_steps_aside_for_windows(tmp_
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
     windowed = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
-    t = Target(windowed, None)
+    t = Target(windowed, None, attention="decode")
     assert t.attention == "sdpa"
+
+
+def test_a_static_draft_may_differ_from_the_eager_one_only_by_near_ties():
+    from dflash.train.decode import draft_disagreement
+
+    logits = torch.tensor([[20.0, 19.9, 3.0], [1.0, 8.0, 7.999], [0.0, -5.0, 0.3]])
+    assert draft_disagreement(torch.tensor([0, 1, 2]), logits) is None
+    assert draft_disagreement(torch.tensor([1, 2, 2]), logits) is None  # 0.1 of 20 and 0.001 of 8: ties
+    why = draft_disagreement(torch.tensor([0, 1, 0]), logits)  # 0.3 apart at a top logit of 0.3: not a tie
+    assert why is not None and "slot 3" in why
+    assert draft_disagreement(torch.tensor([2, 1, 2]), logits) is not None  # 17 apart
