@@ -6,7 +6,7 @@
 
 A random drafter of the GPU recipe's shape (hidden 576, 9 heads / 3 KV heads, MLP 1536, vocab 49152, 2 layers,
 block 8, 5 context layers) holds --context tokens of context; each step drafts one block through the eval's own
-proposer (train/decode.py DFlashProposer: block tensor, positions, draft_block, argmax on the device) after the
+proposer (train/drafting.py DFlashProposer: block tensor, positions, draft_block, argmax on the device) after the
 previous step's verified block with one accepted token (extend_context), as a speculative step does. Per dtype: the median wall time of a
 step with the device synchronised, and the operators that take the most host time (torch.profiler), to tell
 kernel time from launch and Python overhead. --backends default,decode measures with PyTorch's own choice of
@@ -24,7 +24,7 @@ import time
 import torch
 
 from dflash.core.target import decode_sdpa
-from dflash.train.decode import DFlashProposer
+from dflash.train.drafting import DFlashProposer
 from dflash.train.model import DFlashDrafter, DrafterConfig
 
 

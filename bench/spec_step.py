@@ -26,7 +26,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.draft_step import drafter  # noqa: E402
-from dflash.train.decode import DFlashProposer, NgramProposer, NoDraft, Target, speculative  # noqa: E402
+from dflash.train.decode import NgramProposer, NoDraft, speculative  # noqa: E402
+from dflash.train.drafting import DFlashProposer  # noqa: E402
+from dflash.train.verify import Target  # noqa: E402
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 

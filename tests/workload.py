@@ -63,7 +63,7 @@ def make_workload(root: Path) -> dict:
 
 def hf_greedy(model, prompt: list[int], max_new: int, eos: set[int] = frozenset()) -> list[int]:
     """Greedy decoding straight over the HF model, recomputing the whole sequence at every token: no KV
-    cache, no dflash wrapper, nothing shared with train/decode.py. Stops after an eos id or max_new tokens."""
+    cache, no dflash wrapper, nothing shared with train/decode.py or verify.py. Stops after an eos id or max_new tokens."""
     import torch
 
     ids, out = list(prompt), []

@@ -10,7 +10,8 @@ For every prompt, three decodes of the same target with KV caches:
     of the sequence's last n-gram, verified the same way - what users get for free.
 tau = mean over steps of (accepted + 1). Greedy speculative decoding is lossless, so each output
 must equal the target-only output: exact in float32; in bf16 on GPU the match rate is reported.
-The decoding loop and the proposers live in train/decode.py; this module loads, runs and reports.
+The decoding loop lives in train/decode.py, the target in train/verify.py, the DFlash proposer in
+train/drafting.py; this module loads, runs and reports.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from dflash.core.dist import compute_init, resolve_dtype
 from dflash.core.target import load_causal_lm, load_tokenizer
 
 from .checkpoint import load_drafter
-from .decode import Decode, DFlashProposer, NgramProposer, NoDraft, Target, speculative
+from .decode import Decode, NgramProposer, NoDraft, speculative
+from .drafting import DFlashProposer
+from .verify import Target
 
 
 @dataclass

@@ -1,0 +1,132 @@
+"""The target in speculative decoding (train/decode.py's loop): its KV cache, the layers it captures for the
+drafter, and the attention it decodes with.
+
+Target.forward(ids, start, hidden) runs ids at positions start.. on the cached prefix: a prefill, a one-token step
+of the target alone, or the verify of a drafted block, all through the same model and attention. On a GPU in
+bf16/fp16 that attention is _lower_right_sdpa (registered as "dflash_decode"): causal to the bottom right of the
+[block, cache + block] square with no mask tensor and grouped KV heads read in place, where HF's sdpa would build
+a 4D mask and copy the KV cache per query head for every multi-token forward.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from dflash.core.target import LayerCapture, decoder_layers
+
+
+def crop_cache(cache, length: int) -> None:
+    """Keep the first `length` positions (a negative count removes from the end in every transformers version)."""
+    cur = cache.get_seq_length()
+    if length < cur:
+        cache.crop(length - cur)
+
+
+def _lower_right_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      **kwargs):
+    """HF attention function (registered as "dflash_decode") for ONE sequence decoded with a KV cache: query
+    position i sees every cached key and the block's keys up to i (causal, aligned to the bottom right of the
+    [q, kv] square), with no mask tensor at all. Grouped KV heads are read in place (enable_gqa). HF's own sdpa
+    path builds a 4D mask for every multi-token forward and then repeats the whole KV cache per query head
+    (repeat_kv: two copies per layer): on a launch-bound verify forward that is ~200 more host operations than a
+    one-token step (SmolLM2, 30 layers)."""
+    q, n = query.shape[2], key.shape[2]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=None if q == 1 else _lower_right(q, n), scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@functools.lru_cache(maxsize=4)
+def _lower_right(q: int, n: int):
+    """torch's lower-right causal bias for a [q, n] attention (no tensor behind it): made once per forward, not
+    once per layer."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    return causal_lower_right(q, n)
+
+
+DECODE_ATTENTION = "dflash_decode"
+
+
+def decode_attention_ok(model, require_flash: bool = False) -> str | None:
+    """None when the target can decode with _lower_right_sdpa, else why not (sliding windows, soft-capped
+    logits or attention sinks need HF's own masks; another attention implementation than sdpa is kept).
+    require_flash: also only where SDPA's flash kernel takes the bottom-right causal block with grouped KV heads
+    in place (CUDA, 16-bit weights, head dim <= 256). Elsewhere torch materialises the mask and runs its math
+    kernel: float32 on the H200 measured slower than HF's path (verify 27.5 vs 20.2 ms for the target's step)."""
+    cfg = model.config
+    if require_flash:
+        p = next(model.parameters())
+        hd = getattr(cfg.get_text_config(), "head_dim", None) or 0
+        if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16) or hd > 256:
+            return f"no flash attention for {p.dtype} on {p.device.type}"
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", DECODE_ATTENTION):
+        return f"the model uses {getattr(cfg, '_attn_implementation', None)} attention"
+    kinds = set(getattr(tc, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"}:
+        return f"layer types {sorted(kinds)}"
+    if getattr(tc, "sliding_window", None) and getattr(tc, "use_sliding_window", True):
+        return "a sliding window"
+    if getattr(tc, "attn_logit_softcapping", None):
+        return "soft-capped attention logits"
+    if any(hasattr(m, "sinks") for m in model.modules()):
+        return "attention sinks"
+    return None
+
+
+class Target:
+    """The target model with a KV cache (DynamicCache) and, given layer_ids, the captured layers.
+
+    attention="auto": the target decodes with _lower_right_sdpa where it runs on SDPA's flash kernel (a CUDA
+    GPU in bf16/fp16) and decode_attention_ok(model) (both the target-only baseline and the verify forwards: the
+    same code path); "decode" wherever the model allows it (the CPU tests); "model" keeps the model's own."""
+
+    def __init__(self, model, layer_ids: list[int] | None, attention: str = "auto"):
+        if attention not in ("auto", "decode", "model"):
+            raise ValueError(f"attention must be auto, decode or model, got {attention!r}")
+        self.model = model
+        self.device = next(model.parameters()).device
+        why = (decode_attention_ok(model, require_flash=attention == "auto") if attention != "model"
+               else "asked for the model's own")
+        if why is None:
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(DECODE_ATTENTION, _lower_right_sdpa)
+            model.config._attn_implementation = DECODE_ATTENTION
+        elif getattr(model.config, "_attn_implementation", None) == DECODE_ATTENTION:
+            model.config._attn_implementation = "sdpa"
+        self.attention = model.config._attn_implementation
+        self.capture = None
+        if layer_ids:
+            L = len(decoder_layers(model))
+            self.capture = LayerCapture(model, layer_ids, final_norm_for=L - 1 if L - 1 in layer_ids else None)
+        self.cache = None
+        import inspect  # transformers >= 5.2x renamed past_key_values to cache
+
+        self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+    def reset(self):
+        from transformers import DynamicCache
+
+        self.cache = DynamicCache()
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [1, L, V] (and captured hidden [1, L, K*H]) for ids [1, L] at positions start..start+L-1."""
+        L = ids.shape[1]
+        pos = torch.arange(start, start + L, device=self.device)[None]
+        out_h = None
+        if hidden and self.capture is not None:
+            K, H = len(self.capture.layer_ids), self.model.config.get_text_config().hidden_size
+            out_h = torch.empty(1, L, K * H, device=self.device, dtype=next(self.model.parameters()).dtype)
+            self.capture.out = out_h
+        try:
+            out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kw: self.cache})
+        finally:
+            if self.capture is not None:
+                self.capture.out = None
+        return out.logits, out_h
