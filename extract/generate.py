@@ -183,6 +183,13 @@ class Engine:
         self.prefills = 0
         self.generated = 0
         self.prompt_tokens = 0
+        # where the work goes (the regenerate log line): prompt columns prefilled, padding included; token columns
+        # copied when a prefill is stacked beside the batch or the batch is compacted; cache columns attended by
+        # decode steps (every row attends the batch's full width) against the real tokens among them
+        self.prefill_columns = 0
+        self.copied_columns = 0
+        self.decode_columns = 0
+        self.decode_real_columns = 0
         self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}  # wall time per phase (host-synced)
         self.dead = 0  # finished rows still in the batch
         self.compactions = 0
@@ -282,6 +289,7 @@ class Engine:
         first = self._sample(logits, rows)
         self.prefills += 1
         self.prompt_tokens += sum(len(r.prompt) for r in reqs)
+        self.prefill_columns += k * width
         # merge into the running batch, right-aligned
         if not self.rows:
             self.cache, self.mask, self.last, self.pos = cache, real, first, real.sum(-1)
@@ -289,6 +297,7 @@ class Engine:
             n_old = self.mask.shape[1]
             w = max(n_old, width)
             pad = torch.nn.functional.pad
+            self.copied_columns += (len(self.rows) + k) * w
             self.cache = cache_stack(self.cache, cache, w)
             self.mask = torch.cat([pad(self.mask, (w - n_old, 0)), pad(real, (w - width, 0))], 0)
             self.last = torch.cat([self.last, first])
@@ -302,6 +311,8 @@ class Engine:
         B = len(self.rows)
         self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
         logits = self._forward(self.last[:, None], self.pos[:, None], self.mask[:, None, None, :], self.cache)
+        self.decode_columns += B * self.mask.shape[1]
+        self.decode_real_columns += len(self.rows) + int(self.pos.sum())  # device sync: the sample syncs anyway
         self.pos = self.pos + 1
         self.last = self._sample(logits, self.rows)
         self.steps += 1
@@ -378,6 +389,7 @@ class Engine:
         mask = self.mask[idx]
         trim = int(mask.any(0).long().argmax())  # leading columns that are padding for every kept row
         self.mask = mask[:, trim:]
+        self.copied_columns += len(keep) * self.mask.shape[1]
         self.last, self.pos = self.last[idx], self.pos[idx]
         cache_select(self.cache, idx, trim)
         self.rows = [self.rows[i] for i in keep]

@@ -387,6 +387,12 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
                    f"{eng['prompt_tokens']:,} prompt tokens ({secs.get('prefill', 0.0):.1f} s); "
                    f"{eng['continued_turns']:,} turns went on in their row ({eng['continuation_tokens']:,} template "
                    f"and user tokens fed, {eng['continuations_refused']:,} refused by the KV budget)")
+            print0(f"regenerate: engine work: prefills ran {eng['prefill_columns']:,} columns for "
+                   f"{eng['prompt_tokens']:,} prompt tokens (the rest is left padding); decode steps attended "
+                   f"{eng['decode_columns']:,} cache columns, {eng['decode_real_columns']:,} of them real tokens "
+                   f"({eng['decode_real_columns'] / max(1, eng['decode_columns']):.0%}); stacking prefills beside the "
+                   f"batch and {eng['compactions']:,} compactions copied {eng['copied_columns']:,} token columns "
+                   f"({eng['copied_columns'] * eng['kv_bytes_per_token'] / 1e9:,.1f} GB of KV cache)")
         print0(f"regenerate: {totals['truncated']} turns truncated at --max-new-tokens {cfg.max_new_tokens}, "
                f"{totals['empty']} empty; {totals['skipped_no_user_turn']} conversations skipped "
                "(no user turn before the first assistant turn)")
@@ -511,8 +517,11 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         bar.close()
     return {"generated_tokens": eng.generated - gen0, "conversations": total, "seconds": time.perf_counter() - t0,
             "engine": {"decode_steps": eng.steps, "prefills": eng.prefills, "compactions": eng.compactions,
-                       "prompt_tokens": eng.prompt_tokens, "continued_turns": eng.continued,
+                       "prompt_tokens": eng.prompt_tokens, "prefill_columns": eng.prefill_columns,
+                       "copied_columns": eng.copied_columns, "decode_columns": eng.decode_columns,
+                       "decode_real_columns": eng.decode_real_columns, "continued_turns": eng.continued,
                        "continuation_tokens": eng.forced_tokens, "continuations_refused": eng.refused,
                        "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
+                       "kv_bytes_per_token": kv_bytes_per_token(model.config, next(model.parameters()).dtype),
                        "seconds": dict(eng.seconds)}}
 

@@ -177,6 +177,22 @@ def test_finished_rows_wait_for_one_compaction_and_change_nothing(model):
     assert eng.generated == sum(len(ref) for ref, _ in refs)  # ignored tokens of finished rows are not counted
 
 
+def test_the_engine_counts_padding_and_copies(model):
+    """The counters behind regenerate's "engine work" line: prompt columns prefilled with their left padding, cache
+    columns a decode step attends against the real tokens among them, token columns copied by a stack."""
+    eng = Engine(model, eos_ids=set(), batch_size=4, max_batch_tokens=1 << 16, prefill_tokens=1024, refill=1)
+    eng.add(Request([5, 6, 7], 4, key=0, priority=(0,)))
+    eng.add(Request([5, 6, 7, 8, 9], 4, key=1, priority=(1,)))
+    eng.step()  # one prefill of both (width 5), then one decode step
+    assert (eng.prefills, eng.prompt_tokens, eng.prefill_columns) == (1, 8, 10)
+    assert eng.decode_columns == 2 * 6 and eng.decode_real_columns == (3 + 1) + (5 + 1)
+    assert eng.copied_columns == 0  # the first prefill is the batch: nothing to copy
+    eng.add(Request([9, 9], 4, key=2, priority=(2,)))
+    eng.step()  # stacked beside the two rows (6 columns wide after one decode step): 3 rows x 6 columns copied
+    assert eng.prefill_columns == 10 + 2 and eng.copied_columns == 3 * 6
+    assert eng.decode_columns == 12 + 3 * 7 and eng.decode_real_columns == 10 + (4 + 1) + (6 + 1) + (2 + 1)
+
+
 def test_sampling_is_reproducible_and_independent_of_batching(model):
     prompts = _prompts(model, 9, seed=2, hi=25)
     kw = dict(eos_ids=set(), max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
