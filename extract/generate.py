@@ -189,7 +189,7 @@ class Engine:
         self.prefill_columns = 0
         self.copied_columns = 0
         self.decode_columns = 0
-        self.decode_real_columns = 0
+        self._decode_real = 0  # summed on the device (a tensor once decoding starts): no host sync per step
         self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}  # wall time per phase (host-synced)
         self.dead = 0  # finished rows still in the batch
         self.compactions = 0
@@ -197,6 +197,10 @@ class Engine:
         self.continued = 0  # turns that went on in their row
         self.forced_tokens = 0  # continuation ids fed (the history a new prompt would have prefilled is not counted)
         self.refused = 0  # continuations refused by the token budget (the caller resubmitted those turns)
+
+    @property
+    def decode_real_columns(self) -> int:
+        return int(self._decode_real)
 
     # -- queue --------------------------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -312,7 +316,7 @@ class Engine:
         self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
         logits = self._forward(self.last[:, None], self.pos[:, None], self.mask[:, None, None, :], self.cache)
         self.decode_columns += B * self.mask.shape[1]
-        self.decode_real_columns += len(self.rows) + int(self.pos.sum())  # device sync: the sample syncs anyway
+        self._decode_real = self._decode_real + (self.pos.sum() + B)
         self.pos = self.pos + 1
         self.last = self._sample(logits, self.rows)
         self.steps += 1
