@@ -370,7 +370,8 @@ def train(preset, gpus, no_progress, **flags):
 @option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
 @option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
 @option("--draft-graph/--no-draft-graph", default=None,
-        help="Run the drafter's block forward as one CUDA graph (checked against the eager one first).",
+        help="Run the drafter's step (the verified block into its context, then the next draft) as one CUDA "
+             "graph, checked against the eager step once (near ties aside).",
         default_text="on a GPU")
 @option("--no-progress", is_flag=True, help="No progress bar.")
 def eval_cmd(preset, no_progress, **flags):

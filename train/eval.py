@@ -53,8 +53,8 @@ class EvalConfig:
     ngram: bool = True  # also run n-gram prompt lookup (the free baseline)
     warmup_prompts: int = 2  # decoded by every method before the timed runs (kernels, allocator, caches)
     tie_margin: float = 0.5  # a differing output whose first differing token had a top-2 logit gap below this is a near tie
-    # the drafter's block forward as one CUDA graph (checked against the eager forward first); None: on a GPU
-    # (bench/draft_step.py on the H200: 1.1 vs 3.2 ms a block in bf16), off on a CPU (no graphs there)
+    # the drafter's step (context + draft) as one CUDA graph (checked against the eager step once); None: on a GPU
+    # (bench/draft_step.py on the H200: 0.61 vs 2.33 ms a step in bf16), off on a CPU (no graphs there)
     draft_graph: bool | None = None
     progress: bool = True
 
