@@ -148,10 +148,9 @@ class DFlashProposer:
 
     def start(self, prompt_hidden: torch.Tensor) -> None:
         if self.cache is None or not self.graph:
-            self.cache = self.d.new_cache(1, self.max_len)
-            if self.graph:  # B positions of slack: StaticDraft writes whole blocks
-                self.cache = self.d.new_cache(1, self.max_len + self.block_size)
-                self.cache.max_len = self.max_len
+            slack = self.block_size if self.graph else 0  # StaticDraft writes whole blocks past the confirmed length
+            self.cache = self.d.new_cache(1, self.max_len + slack)
+            self.cache.max_len = self.max_len
         else:
             self.cache.length = 0  # the same buffers for every prompt: a captured graph reads them
         self.pending = None
