@@ -66,9 +66,10 @@ def run(args, device, dtype) -> list[dict]:
         for name, rs in runs.items():
             steps = sum(r.steps for r in rs)
             secs = sum(r.seconds - r.prefill_s for r in rs)
-            row = {"attention": t.attention, "method": name, "steps": steps,
-                   "ms_per_step": 1e3 * secs / steps, "tokens_per_s": sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs),
-                   "draft_ms": 1e3 * sum(r.draft_s for r in rs) / steps, "verify_ms": 1e3 * sum(r.verify_s for r in rs) / steps,
+            row = {"attention": t.attention, "method": name, "steps": steps, "ms_per_step": 1e3 * secs / steps,
+                   "tokens_per_s": sum(len(r.tokens) for r in rs) / sum(r.seconds for r in rs),
+                   "draft_ms": 1e3 * sum(r.draft_s for r in rs) / steps,
+                   "verify_ms": 1e3 * sum(r.verify_s for r in rs) / steps,
                    "tau": sum(sum(r.accept_lengths) for r in rs) / steps}
             if name == "dflash":
                 row["draft_graph"] = props[1].graph_status

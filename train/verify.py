@@ -58,12 +58,12 @@ def decode_attention_ok(model, require_flash: bool = False) -> str | None:
     in place (CUDA, 16-bit weights, head dim <= 256). Elsewhere torch materialises the mask and runs its math
     kernel: float32 on the H200 measured slower than HF's path (verify 27.5 vs 20.2 ms for the target's step)."""
     cfg = model.config
+    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if require_flash:
         p = next(model.parameters())
-        hd = getattr(cfg.get_text_config(), "head_dim", None) or 0
-        if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16) or hd > 256:
+        head_dim = getattr(tc, "head_dim", 0) or 0
+        if p.device.type != "cuda" or p.dtype not in (torch.bfloat16, torch.float16) or head_dim > 256:
             return f"no flash attention for {p.dtype} on {p.device.type}"
-    tc = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
     if getattr(cfg, "_attn_implementation", None) not in ("sdpa", DECODE_ATTENTION):
         return f"the model uses {getattr(cfg, '_attn_implementation', None)} attention"
     kinds = set(getattr(tc, "layer_types", None) or ["full_attention"])
