@@ -9,9 +9,9 @@ green. Two things must hold for the same text:
    (extract/target.py PackedTarget.run, float32), for documents of several lengths, decoded token by token
    and block by block (blocks of random accepted lengths, the rest of each block rejected and cropped from
    the KV cache, as speculative decoding does).
-2. Drafter inputs. In real speculative decoding (train/decode.py speculative + train/drafting.py DFlashProposer), every block
-   the drafter drafts -- its tokens, its positions, the context before the anchor (length and positions)
-   -- is the block training builds for that anchor (DFlashDrafter.prepare), and the drafter's loss on the
+2. Drafter inputs. In real speculative decoding (train/decode.py speculative + train/drafting.py
+   DFlashProposer), every block the drafter drafts -- its tokens, its positions, the context before the anchor
+   (length and positions) -- is the block training builds for that anchor (DFlashDrafter.prepare), and the drafter's loss on the
    served logits equals the training loss for that anchor computed from the extraction's features. The
    texts are the target's own greedy continuations of prompts of 3 lengths, packed in one row.
 
