@@ -43,7 +43,8 @@ def main(argv=None) -> dict:
     from dflash.core.io import atomic_jsonl
     from dflash.demo_gpu import GpuRecipe, split_data
     from dflash.demo_assets import chitchat_json
-    from dflash.extract.regenerate import RegenerateConfig, committed_parts, part_name, run_regenerate
+    from dflash.extract.regen_out import committed_parts, part_name
+    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
 
     work = a.workdir or tempfile.mkdtemp(prefix="regen-turns-")
     os.makedirs(work, exist_ok=True)

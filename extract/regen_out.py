@@ -1,0 +1,175 @@
+"""The output folder of `dflash regenerate`: its parts, its record and the checks that make a rerun resume.
+
+OUT/data/part-00007.jsonl holds part 7's conversations; OUT/data/.part-00007.stats.json its counts, written first,
+so a part exists whole (with its counts) or not at all. OUT/dflash_regenerate.json records the settings, the
+target's identity and, once every part is committed, the totals; OUT/README.md is a dataset card whose `configs`
+block lets `datasets.load_dataset(OUT)` find the parts. A folder holding anything else is never written into, and
+--overwrite removes only what regenerate writes.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import shutil
+
+from dflash.core.chat import DataError, REGENERATE_META
+from dflash.core.config import ConfigError
+from dflash.core.io import TEMPORARY_GLOB, atomic_write
+from dflash_cache.lock import LOCK_NAME
+
+FORMAT = "dflash-regenerate"
+FORMAT_VERSION = 1
+META_NAME = REGENERATE_META  # the dataset loader skips this name when it scans a directory
+PART_RE = re.compile(r"^part-(\d{5,})\.jsonl$")
+
+# the record's settings and identity keys -> the flag a user changes to match them
+SETTING_FLAGS = {"data": "data", "split": "split", "max_samples": "max_samples", "max_new_tokens": "max_new_tokens",
+                 "temperature": "temperature", "top_p": "top_p", "seed": "seed",
+                 "chat_template_kwargs": "chat_template_kwargs", "part_size": "part_size", "dtype": "dtype",
+                 "stop_at_eos": "stop_at_eos", "continue_turns": "continue_turns", "rows": "data",
+                 "chat_template_fingerprint": "chat_template",
+                 "tokenizer_fingerprint": "target", "target": "target"}
+
+
+def part_name(p: int) -> str:
+    return f"part-{p:05d}.jsonl"
+
+
+def _paths(out: str, p: int) -> tuple[str, str]:
+    d = os.path.join(out, "data")
+    return os.path.join(d, part_name(p)), os.path.join(d, f".part-{p:05d}.stats.json")
+
+
+def committed_parts(out: str) -> set[int]:
+    """Parts whose file and counts are both on disk (the counts are written first)."""
+    d = os.path.join(out, "data")
+    if not os.path.isdir(d):
+        return set()
+    done = set()
+    for name in os.listdir(d):
+        m = PART_RE.match(name)
+        if m and os.path.isfile(_paths(out, int(m.group(1)))[1]):
+            done.add(int(m.group(1)))
+    return done
+
+
+def _atomic_write(path: str, text: str) -> None:
+    atomic_write(path, text, durable=True)  # resume skips a committed part on its word: fsync before the rename
+
+
+def read_meta(out: str) -> dict | None:
+    path = os.path.join(out, META_NAME)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path}: {e}; pass --overwrite to start over") from e
+
+
+def _fmt(v) -> str:
+    return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else repr(v)
+
+
+def _check_same(old: dict, new: dict, out: str) -> None:
+    diffs = []
+    for key in ("settings", "identity"):
+        a, b = old.get(key, {}), new[key]
+        diffs += [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+    if diffs:
+        k, was, now = diffs[0]
+        flag = "--" + SETTING_FLAGS.get(k, k).replace("_", "-")
+        more = f" (also different: {', '.join(d[0] for d in diffs[1:])})" if len(diffs) > 1 else ""
+        raise ConfigError(f"{flag}: {out} was regenerated with {k}={_fmt(was)}, this run has {k}={_fmt(now)}{more}; "
+                          "rerun with the same settings to resume, or pass --overwrite to start over")
+
+
+def _remove_ours(out: str) -> None:
+    shutil.rmtree(os.path.join(out, "data"), ignore_errors=True)
+    for name in (META_NAME, "README.md"):
+        if os.path.exists(os.path.join(out, name)):
+            os.remove(os.path.join(out, name))
+
+
+def check_out(out: str) -> dict | None:
+    """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into)."""
+
+    old = read_meta(out) if os.path.isdir(out) else None
+    entries = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_NAME)) if os.path.isdir(out) else []
+    if old is None and entries:
+        raise ConfigError(f"--out: {out} exists and is not a dflash regenerate output (it holds "
+                          f"{', '.join(entries[:5])}); choose an empty or new directory")
+    return old
+
+
+def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
+    """Create OUT or check that it holds this regeneration (rank 0 only). Never deletes files it did not write."""
+    old = check_out(out)
+    if old is not None and old.get("format") != FORMAT:
+        raise ConfigError(f"--out: {out}/{META_NAME} is not a {FORMAT} record; choose another directory")
+    if old is not None and not overwrite:
+        _check_same(old, meta, out)
+    os.makedirs(out, exist_ok=True)
+    if old is None or overwrite:
+        _remove_ours(out)
+        _atomic_write(os.path.join(out, META_NAME), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        _atomic_write(os.path.join(out, "README.md"), dataset_card(meta))
+    os.makedirs(os.path.join(out, "data"), exist_ok=True)
+    for stale in glob.glob(os.path.join(out, "data", TEMPORARY_GLOB)):  # left by a killed run: never a committed part
+        os.remove(stale)
+
+
+def dataset_card(meta: dict) -> str:
+    s, c = meta["settings"], meta.get("counts")
+    lines = [
+        "---", "configs:", "- config_name: default", "  data_files:", "  - split: train", "    path: data/part-*.jsonl",
+        "---", "", "# Regenerated chat data", "",
+        f"Assistant turns regenerated by `{meta['target']['name_or_path']}` with `dflash regenerate` "
+        f"({meta['parts']} parts of {s['part_size']} conversations from `{s['data']}`).", "",
+        "Each row: `messages` (OpenAI format: system and user turns verbatim, assistant turns written by the target) "
+        "and `source_row` (the row of the input dataset).", "",
+        f"Settings: max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, top_p={s['top_p']}, "
+        f"seed={s['seed']}, chat_template_kwargs={json.dumps(s['chat_template_kwargs'])}, dtype={s['dtype']}.", "",
+        f"Status: {'complete' if meta.get('complete') else 'in progress'}; details in `{META_NAME}`.", "",
+    ]
+    if c:
+        lines += [f"Counts: {json.dumps(c, sort_keys=True)}", ""]
+    return "\n".join(lines)
+
+
+def write_part(out: str, p: int, convs: list, stats: dict) -> None:
+    """Counts first, then the part: a part file exists only complete and with its counts beside it. convs:
+    the part's conversations (extract/regenerate.py Conversation: .messages, .row)."""
+    part, side = _paths(out, p)
+    _atomic_write(side, json.dumps(stats, sort_keys=True) + "\n")
+    lines = [json.dumps({"messages": c.messages, "source_row": c.row}, ensure_ascii=False) for c in convs]
+    _atomic_write(part, "".join(line + "\n" for line in lines))
+
+
+COUNT_KEYS = ("rows", "conversations", "skipped_no_user_turn", "turns", "generated_tokens", "prompt_tokens",
+              "empty", "truncated")
+
+
+def _new_stats() -> dict[str, int]:
+    return {k: 0 for k in COUNT_KEYS}
+
+
+def finalize(out: str, meta: dict) -> dict | None:
+    """If every part is committed: totals into the metadata (complete=True). Returns the totals, else None."""
+    done = committed_parts(out)
+    if len(done & set(range(meta["parts"]))) < meta["parts"]:
+        return None
+    totals = _new_stats()
+    for p in range(meta["parts"]):
+        with open(_paths(out, p)[1], encoding="utf-8") as f:
+            st = json.load(f)
+        for k in COUNT_KEYS:
+            totals[k] += int(st.get(k, 0))
+    final = dict(meta, complete=True, counts=totals)
+    _atomic_write(os.path.join(out, META_NAME), json.dumps(final, indent=2, sort_keys=True) + "\n")
+    _atomic_write(os.path.join(out, "README.md"), dataset_card(final))
+    return totals
