@@ -18,8 +18,11 @@ The generator (Engine) is a plain decoding loop over the HF causal LM (no `model
     every remaining row): one cache copy per quarter of the batch finished, not one per step in which a row ends
     (at batch 1024 a row ends nearly every step, and each copy moves the whole cache);
   * free slots are refilled from a queue of waiting prompts (longest first within a part): the newcomers are
-    prefilled together (only the last position's logits are computed) and merged into the running batch, their
-    cache right-aligned with it. A multi-turn conversation's next turn joins the queue as soon as its previous
+    prefilled in chunks of at most prefill_tokens padded tokens (only the last position's logits are computed),
+    and all the chunks of one refill are merged into the running batch at once, their caches right-aligned with
+    it: one copy of the batch's cache per refill, not one per chunk (at batch 1024 a refill admits 256 prompts
+    or more, in chunks of 16,384 tokens on a GPU, beside a cache the KV budget lets grow to tens of GB).
+    A multi-turn conversation's next turn joins the queue as soon as its previous
     turn is done, so there is no barrier between turns, nor between parts;
   * a multi-turn conversation can continue in its row (Engine(follow=...)): when a turn ends, the caller hands
     the tokens between this answer and the next one (end of turn, the next user turn, the next assistant
@@ -111,6 +114,18 @@ class Request:
     key: Any = None  # the caller's handle, returned in the Result
     rng_key: int = 0  # sampling stream of this request (rng_key(seed, row, turn)); unused when greedy
     priority: tuple = ()  # smaller first
+
+
+@dataclass
+class _Chunk:
+    """Prompts prefilled together and not yet merged into the batch: their cache, real-token mask [k, width] and
+    first tokens."""
+
+    cache: Any
+    real: torch.Tensor
+    first: torch.Tensor
+    rows: list
+    width: int
 
 
 @dataclass
@@ -220,11 +235,14 @@ class Engine:
         done: list[Result] = []
         if self.pending and (not self.rows or self.batch_size - len(self.rows) >= self.refill):
             t = time.perf_counter()
-            while self.pending and len(self.rows) < self.batch_size:  # fill every free slot the budgets allow
-                admitted, finished = self._admit()
-                done += finished
-                if not admitted:
+            chunks: list[_Chunk] = []
+            while self.pending and len(self.rows) + sum(len(c.rows) for c in chunks) < self.batch_size:
+                chunk = self._admit(chunks)  # fill every free slot the budgets allow, one prefill forward per chunk
+                if chunk is None:
                     break
+                chunks.append(chunk)
+            if chunks:
+                done += self._merge(chunks)
             self.seconds["prefill"] += time.perf_counter() - t
         if self.rows:
             t = time.perf_counter()
@@ -248,18 +266,21 @@ class Engine:
             u = torch.from_numpy(uniforms([r.req.rng_key for r in rows], [len(r.out) for r in rows]))
         return sample(logits, self.temperature, self.top_p, u)
 
-    def _admit(self) -> tuple[int, list[Result]]:
-        """Prefill one chunk of waiting prompts (within the budgets) into the batch: (admitted, finished)."""
-        free = self.batch_size - len(self.rows)
-        n_now = 0 if self.mask is None else self.mask.shape[1]
-        reach = max((r.req.max_new_tokens - len(r.out) + len(r.forced) for r in self.rows if not r.done), default=0)
+    def _admit(self, chunks: list[_Chunk]) -> _Chunk | None:
+        """Prefill one chunk of waiting prompts that fits the budgets beside the batch and the chunks prefilled
+        before it in this refill (not yet merged); None when none fits."""
+        rows_now = len(self.rows) + sum(len(c.rows) for c in chunks)
+        free = self.batch_size - rows_now
+        n_now = max([0 if self.mask is None else self.mask.shape[1]] + [c.width for c in chunks])
+        reach = max([r.req.max_new_tokens - len(r.out) + len(r.forced) for r in self.rows if not r.done]
+                    + [r.req.max_new_tokens for c in chunks for r in c.rows], default=0)
         chosen: list[Request] = []
         width = 0
         while self.pending and len(chosen) < free:
             req = self.pending[0][2]
             w = max(width, len(req.prompt))
             r = max(reach, req.max_new_tokens)
-            rows = len(self.rows) + len(chosen) + 1
+            rows = rows_now + len(chosen) + 1
             if chosen and (len(chosen) + 1) * w > self.prefill_tokens:
                 break
             if rows > 1 and rows * (max(n_now, w) + r) > self.max_batch_tokens:
@@ -268,11 +289,11 @@ class Engine:
             chosen.append(req)
             width, reach = w, r
         if not chosen:
-            return 0, []
-        return len(chosen), self._prefill(chosen, width)
+            return None
+        return self._prefill(chosen, width)
 
     @torch.inference_mode()
-    def _prefill(self, reqs: list[Request], width: int) -> list[Result]:
+    def _prefill(self, reqs: list[Request], width: int) -> _Chunk:
         k, dev = len(reqs), self.device
         ids = torch.full((k, width), self.pad_id, dtype=torch.long)
         real = torch.zeros((k, width), dtype=torch.bool)
@@ -290,25 +311,32 @@ class Engine:
             for layer in cache.layers:
                 layer.zero_columns(~real)
         rows = [_Row(r) for r in reqs]
-        first = self._sample(logits, rows)
         self.prefills += 1
         self.prompt_tokens += sum(len(r.prompt) for r in reqs)
         self.prefill_columns += k * width
-        # merge into the running batch, right-aligned
-        if not self.rows:
-            self.cache, self.mask, self.last, self.pos = cache, real, first, real.sum(-1)
+        return _Chunk(cache, real, self._sample(logits, rows), rows, width)
+
+    def _merge(self, chunks: list[_Chunk]) -> list[Result]:
+        """The refill's prefilled chunks into the running batch, right-aligned: ONE copy of the batch's cache per
+        refill (not one per chunk), then their first tokens."""
+        parts = ([] if not self.rows else [(self.cache, self.mask)]) + [(c.cache, c.real) for c in chunks]
+        firsts = [c.first for c in chunks]
+        new_pos = [c.real.sum(-1) for c in chunks]
+        if len(parts) == 1:
+            self.cache, self.mask = parts[0]
+            self.last, self.pos = firsts[0], new_pos[0]
         else:
-            n_old = self.mask.shape[1]
-            w = max(n_old, width)
+            w = max(m.shape[1] for _, m in parts)
             pad = torch.nn.functional.pad
-            self.copied_columns += (len(self.rows) + k) * w
-            self.cache = cache_stack(self.cache, cache, w)
-            self.mask = torch.cat([pad(self.mask, (w - n_old, 0)), pad(real, (w - width, 0))], 0)
-            self.last = torch.cat([self.last, first])
-            self.pos = torch.cat([self.pos, real.sum(-1)])
+            self.copied_columns += sum(m.shape[0] for _, m in parts) * w
+            self.cache = cache_stack([c for c, _ in parts], w)
+            self.mask = torch.cat([pad(m, (w - m.shape[1], 0)) for _, m in parts], 0)
+            self.last = torch.cat(([self.last] if self.rows else []) + firsts)
+            self.pos = torch.cat(([self.pos] if self.rows else []) + new_pos)
         base = len(self.rows)
-        self.rows.extend(rows)
-        return self._emit(first.tolist(), start=base)
+        for c in chunks:
+            self.rows.extend(c.rows)
+        return self._emit(torch.cat(firsts).tolist(), start=base)
 
     @torch.inference_mode()
     def _decode(self) -> list[Result]:

@@ -2,7 +2,7 @@
 
   * SlabCache: a transformers DynamicCache whose layers (SlabLayer) write into preallocated [B, Hkv, capacity, D]
     buffers that grow by amortised steps, instead of a torch.cat of the whole cache at every token; rows can be
-    selected (finished rows dropped, leading all-padding columns cut) and two caches stacked, right-aligned;
+    selected (finished rows dropped, leading all-padding columns cut) and caches stacked, right-aligned;
   * dflash_sdpa: SDPA with the engine's boolean 4D mask that folds grouped query heads onto their KV head for a
     one-token query, so the cache is never repeated per query head.
 """
@@ -89,18 +89,23 @@ def _dynamic_layer_cls():
             self.vbuf[:, :, : self.n].masked_fill_(m, 0)
 
         @staticmethod
-        def stack(a: SlabLayer, b: SlabLayer, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-            """Buffers holding a's rows then b's rows, each right-aligned to `width` columns, zeros on the left."""
-            B1, B2 = a.kbuf.shape[0], b.kbuf.shape[0]
+        def stack(layers: list[SlabLayer], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+            """Buffers holding each layer's rows in turn, each right-aligned to `width` columns, zeros on the left."""
+            first = layers[0].kbuf
+            rows = sum(x.kbuf.shape[0] for x in layers)
             cap = width + max(64, width // 4)
             out = []
-            for x, y in ((a.kbuf, b.kbuf), (a.vbuf, b.vbuf)):
-                buf = x.new_empty(B1 + B2, x.shape[1], cap, x.shape[3])
-                for lo, hi, src, n in ((0, B1, x, a.n), (B1, B1 + B2, y, b.n)):
-                    pad = width - n
+            for name in ("kbuf", "vbuf"):
+                src0 = getattr(layers[0], name)
+                buf = src0.new_empty(rows, first.shape[1], cap, src0.shape[3])
+                lo = 0
+                for x in layers:
+                    src, n = getattr(x, name), x.n
+                    hi, pad = lo + src.shape[0], width - n
                     if pad:
                         buf[lo:hi, :, :pad].zero_()
                     buf[lo:hi, :, pad:width] = src[:, :, :n]
+                    lo = hi
                 out.append(buf)
             return out[0], out[1]
 
@@ -128,11 +133,12 @@ def cache_select(cache, rows: torch.Tensor, trim: int) -> None:
         layer.select(rows, trim)
 
 
-def cache_stack(a, b, width: int):
+def cache_stack(caches: list, width: int):
+    """One cache holding the rows of `caches` in turn, right-aligned to `width` columns: one copy of each."""
     out = slab_cache()
-    for la, lb in zip(a.layers, b.layers):
+    for layers in zip(*(c.layers for c in caches)):
         layer = _SLAB_LAYER()
-        layer._set(*_SLAB_LAYER.stack(la, lb, width), width)
+        layer._set(*_SLAB_LAYER.stack(list(layers), width), width)
         out.layers.append(layer)
     return out
 

@@ -192,6 +192,16 @@ def test_the_engine_counts_padding_and_copies(model):
     assert eng.prefill_columns == 10 + 2 and eng.copied_columns == 3 * 6
     assert eng.decode_columns == 12 + 3 * 7 and eng.decode_real_columns == 10 + (4 + 1) + (6 + 1) + (2 + 1)
 
+    # a refill of several prefill chunks (at most 3 padded tokens each: one prompt a chunk) is stacked once
+    eng = Engine(model, eos_ids=set(), batch_size=8, max_batch_tokens=1 << 16, prefill_tokens=3, refill=1)
+    eng.add(Request([5, 6, 7], 4, key=0, priority=(0,)))
+    eng.step()
+    assert (eng.prefills, eng.copied_columns) == (1, 0)
+    for i, p in enumerate(([1, 2], [3], [4, 5, 6])):
+        eng.add(Request(p, 4, key=i + 1, priority=(i + 1,)))
+    eng.step()  # three chunks beside the 4-column batch: one stack of 4 rows x 4 columns
+    assert (eng.prefills, eng.copied_columns) == (4, 4 * 4)
+
 
 def test_sampling_is_reproducible_and_independent_of_batching(model):
     prompts = _prompts(model, 9, seed=2, hi=25)
