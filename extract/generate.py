@@ -29,8 +29,8 @@ The generator (Engine) is a plain decoding loop over the HF causal LM (no `model
     header); the row feeds them one per decode step (forced: nothing sampled is kept) and then generates the
     next answer, so the history is never prefilled again. A continuation that would break the batch's token
     budget is refused and the caller queues the next turn as a new prompt;
-  * greedy or temperature/top-p sampling. Sampling draws one uniform per row and step from a counter-based hash of
-    (seed, dataset row, turn, step): the text of a conversation depends on neither the batch it ran in, nor the
+  * greedy or temperature/top-p sampling (extract/sampling.py): one uniform per row and step from a counter-based
+    hash of (seed, dataset row, turn, step): the text of a conversation depends on neither the batch it ran in, nor the
     part size, nor the number of GPUs, so a rerun reproduces it.
 """
 
@@ -44,63 +44,19 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
-from dflash.core.target import decode_sdpa, text_config
+from dflash.core.target import decode_sdpa
 
-from .slab import attention_impl, cache_select, cache_stack, slab_cache
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# sampling: one uniform per (row, step) from a counter-based hash, so the draw depends on nothing but the row
-
-
-_U64 = np.uint64
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finaliser on uint64 arrays (wrapping arithmetic)."""
-    x = np.asarray(x, dtype=_U64)
-    with np.errstate(over="ignore"):
-        z = x + _U64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return z ^ (z >> _U64(31))
-
-
-def rng_key(*ints: int) -> int:
-    """A 64-bit key for a sequence of non-negative integers, e.g. rng_key(seed, dataset_row, turn)."""
-    h = np.zeros(1, dtype=_U64)
-    for i in ints:
-        h = _splitmix64(h ^ np.array([int(i) & 0xFFFFFFFFFFFFFFFF], dtype=_U64))
-    return int(h[0])
-
-
-def uniforms(keys: Sequence[int], steps: Sequence[int]) -> np.ndarray:
-    """float64 uniforms in [0, 1), one per (key, step)."""
-    k = np.array([int(x) for x in keys], dtype=_U64)
-    s = _splitmix64(np.array([int(x) for x in steps], dtype=_U64))
-    return (_splitmix64(k ^ s) >> _U64(11)).astype(np.float64) * (1.0 / (1 << 53))
-
-
-def sample(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None) -> torch.Tensor:
-    """Next token per row of logits [B, V]: argmax when temperature <= 0, else inverse-CDF sampling with the row's
-    uniform u [B] from softmax(logits / T), restricted to the smallest top-p nucleus when top_p < 1."""
-    if temperature <= 0:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        probs, order = probs.sort(dim=-1, descending=True, stable=True)
-        probs = probs * ((probs.cumsum(-1) - probs) < top_p)  # the nucleus always keeps the top token
-    else:
-        order = None
-    cdf = probs.double().cumsum(-1)
-    target = (u.to(cdf.device, torch.float64) * cdf[:, -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
-    if order is not None:
-        idx = order.gather(-1, idx)
-    return idx.squeeze(-1)
+from .sampling import rng_key, sample, uniforms  # noqa: F401  (rng_key: importable from here)
+from .slab import (  # noqa: F401  (kv_bytes_per_token, plan_engine: importable from here)
+    attention_impl,
+    cache_select,
+    cache_stack,
+    kv_bytes_per_token,
+    plan_engine,
+    slab_cache,
+)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -445,35 +401,3 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int],
             if on_result is not None:
                 on_result(r)
     return out  # type: ignore[return-value]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# sizing
-
-
-def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
-    c = text_config(cfg)
-    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
-    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    return 2 * c.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
-
-
-def plan_engine(cfg_hf, dtype, device: torch.device, batch_size=0, max_batch_tokens=0, prefill_tokens=0):
-    """(batch_size, max_batch_tokens, prefill_tokens) with the defaults filled in."""
-    cuda = device.type == "cuda"
-    batch = batch_size or (256 if cuda else 32)
-    prefill = prefill_tokens or (16384 if cuda else 2048)
-    if not max_batch_tokens:
-        per = kv_bytes_per_token(cfg_hf, dtype)
-        if cuda:
-            free, _ = torch.cuda.mem_get_info(device)
-            c = text_config(cfg_hf)
-            act = prefill * (6 * getattr(c, "intermediate_size", 4 * c.hidden_size) + 16 * c.hidden_size) * 2
-            budget = int(0.85 * free) - act - (2 << 30)
-        else:
-            budget = 4 << 30
-        # A slab holds 25% more columns than its width, and admitting a prefill stacks a new slab beside the
-        # old one before the old is freed: the peak is ~2.5x the budgeted tokens (the H200 ran out of memory at
-        # batch 1024 with 2,600-token histories when this was 1x).
-        max_batch_tokens = max(budget * 2 // (5 * per), 4096)
-    return batch, int(max_batch_tokens), prefill

@@ -3,6 +3,7 @@
   * SlabCache: a transformers DynamicCache whose layers (SlabLayer) write into preallocated [B, Hkv, capacity, D]
     buffers that grow by amortised steps, instead of a torch.cat of the whole cache at every token; rows can be
     selected (finished rows dropped, leading all-padding columns cut) and caches stacked, right-aligned;
+  * plan_engine: the batch size, KV budget (tokens) and prefill chunk that fit the free memory;
   * dflash_sdpa: SDPA with the engine's boolean 4D mask that folds grouped query heads onto their KV head for a
     one-token query, so the cache is never repeated per query head.
 """
@@ -198,3 +199,35 @@ def attention_impl(model):
             cfg._attn_implementation = "sdpa"
 
     return swap()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# sizing: the engine's batch, KV budget and prefill chunk from the free memory
+
+
+def kv_bytes_per_token(cfg, dtype: torch.dtype) -> int:
+    c = text_config(cfg)
+    heads = getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * heads * head_dim * torch.finfo(dtype).bits // 8
+
+
+def plan_engine(cfg_hf, dtype, device: torch.device, batch_size=0, max_batch_tokens=0, prefill_tokens=0):
+    """(batch_size, max_batch_tokens, prefill_tokens) with the defaults filled in."""
+    cuda = device.type == "cuda"
+    batch = batch_size or (256 if cuda else 32)
+    prefill = prefill_tokens or (16384 if cuda else 2048)
+    if not max_batch_tokens:
+        per = kv_bytes_per_token(cfg_hf, dtype)
+        if cuda:
+            free, _ = torch.cuda.mem_get_info(device)
+            c = text_config(cfg_hf)
+            act = prefill * (6 * getattr(c, "intermediate_size", 4 * c.hidden_size) + 16 * c.hidden_size) * 2
+            budget = int(0.85 * free) - act - (2 << 30)
+        else:
+            budget = 4 << 30
+        # A slab holds 25% more columns than its width, and admitting a prefill stacks a new slab beside the
+        # old one before the old is freed: the peak is ~2.5x the budgeted tokens (the H200 ran out of memory at
+        # batch 1024 with 2,600-token histories when this was 1x).
+        max_batch_tokens = max(budget * 2 // (5 * per), 4096)
+    return batch, int(max_batch_tokens), prefill
