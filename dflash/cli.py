@@ -7,141 +7,27 @@ or let it launch torchrun for you with --gpus 0,1,2,3,4.
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
 import click
 
 # Light imports only at the top (`dflash --help` and `dflash cache ...` never load torch): the cache, the bottom's
-# config, errors and paths, the demo's sizes. torch-loading modules (dflash.core.dist, the stages) are imported
+# config, the shared options and checks (dflash/cli_options.py), the demo's sizes. torch-loading modules (dflash.core.dist, the stages) are imported
 # inside the commands that run them.
 import dflash_cache
+from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors: importable from here)
+    CleanErrors,
+    argv_without_gpus,
+    check_paths,
+    known_errors,
+    option,
+    relaunch_with_gpus,
+)
 from dflash.core.config import build, parse_int_list, parse_kv
-from dflash.core.errors import DflashError
-from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
 from dflash.demo import CPU_SIZES, DemoConfig, run_demo
 from dflash_cache.inspect import uncommit
 from dflash_cache.lock import OutputLock
-
-
-class CleanErrors(click.Group):
-    """Known errors (bad input, bad cache) print one clear line and exit 2, never a deep traceback."""
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except known_errors() as e:
-            click.echo(f"error: {e}", err=True)
-            sys.exit(2)
-
-
-def known_errors() -> tuple[type[Exception], ...]:
-    return (dflash_cache.CacheError, DflashError)
-
-
-def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
-    """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
-    must lie outside --out."""
-
-    check_output_file(json, "json")
-    check_output_file(plot, "plot")
-    if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
-        check_input_file(chat_template, "chat_template")
-    check_output_dir(out, "out")
-    check_apart(out, **inputs)
-
-
-def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
-    """The --gpus convenience: re-run this command under torchrun on those GPUs (returns True if it did)."""
-    if not gpus:
-        return False
-    from dflash.core.dist import launch_torchrun, under_torchrun
-
-    if under_torchrun():
-        raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
-    sys.exit(launch_torchrun("dflash", argv_without_gpus(sys.argv[1:]), gpus))
-
-
-def argv_without_gpus(argv: list[str]) -> list[str]:
-    """The command line that each torchrun process gets: argv without `--gpus IDS` / `--gpus=IDS`."""
-    out, skip = [], False
-    for a in argv:
-        if skip:
-            skip = False
-            continue
-        if a == "--gpus":
-            skip = True
-            continue
-        if a.startswith("--gpus="):
-            continue
-        out.append(a)
-    return out
-
-
-# Where a command's option shows its default in --help: the config dataclass of the command (imported only
-# when help is rendered: it loads torch), so a default changed there shows here.
-COMMAND_CONFIGS = {
-    "extract": ("dflash.extract.run", "ExtractConfig"),
-    "train": ("dflash.train.trainer", "TrainConfig"),
-    "eval": ("dflash.train.eval", "EvalConfig"),
-    "regenerate": ("dflash.extract.regenerate", "RegenerateConfig"),
-}
-
-
-def command_config(command: str):
-    import importlib
-
-    module, name = COMMAND_CONFIGS[command]
-    return getattr(importlib.import_module(module), name)
-
-
-def format_default(value) -> str | None:
-    """How a dataclass default reads in --help: on/off for booleans, nothing for None, "" and containers."""
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if value is None or value == "" or isinstance(value, (dict, list, tuple)):
-        return None
-    return str(value)
-
-
-class ConfigOption(click.Option):
-    """A command option whose `[default: ...]` is its config field's dataclass default (the field of the same
-    name in COMMAND_CONFIGS[command]); `default_text` replaces it where the default is a rule ('auto', None
-    or 0 resolved at run time: "bf16 on GPU, fp32 on CPU"). Plain flags (--overwrite) show no default."""
-
-    def __init__(self, *args, default_text: str | None = None, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.default_text = default_text
-
-    def config_default(self, command: str):
-        """The dataclass default of this option's field (dataclasses.MISSING if there is none)."""
-        import dataclasses
-
-        for f in dataclasses.fields(command_config(command)):
-            if f.name == self.name:
-                return f.default  # MISSING for a default_factory: shown as nothing
-        return dataclasses.MISSING
-
-    def shown_default(self, command: str) -> str | None:
-        import dataclasses
-
-        if self.default_text is not None:
-            return self.default_text
-        if self.is_flag and not self.secondary_opts:
-            return None
-        value = self.config_default(command)
-        return None if value is dataclasses.MISSING else format_default(value)
-
-    def get_help_extra(self, ctx):
-        extra = super().get_help_extra(ctx)
-        shown = self.shown_default(ctx.command.name)
-        if shown is not None:
-            extra["default"] = shown
-        return extra
-
-
-option = functools.partial(click.option, cls=ConfigOption)
 
 
 @click.group(cls=CleanErrors, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

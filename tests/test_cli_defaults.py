@@ -18,7 +18,8 @@ from click.testing import CliRunner
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.cli import COMMAND_CONFIGS, ConfigOption, command_config, main  # noqa: E402
+from dflash.cli import main  # noqa: E402
+from dflash.cli_options import COMMAND_CONFIGS, ConfigOption, command_config  # noqa: E402
 
 NOT_CONFIG = {"preset", "gpus", "no_progress", "json_out"}  # handled by the command itself (json_out: eval has one)
 

@@ -25,7 +25,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = {"extract": REPO / "extract", "train": REPO / "train"}
-COMMANDS = {"dflash.cli", "dflash.demo", "dflash.demo_gpu", "dflash.demo_assets", "dflash.__main__"}
+COMMANDS = {"dflash.cli", "dflash.cli_options", "dflash.demo", "dflash.demo_gpu", "dflash.demo_assets",
+            "dflash.__main__"}
 
 
 def _modules(package: str, folder: Path) -> list[str]:
