@@ -30,8 +30,8 @@ The generator (Engine) is a plain decoding loop over the HF causal LM (no `model
     next answer, so the history is never prefilled again. A continuation that would break the batch's token
     budget is refused and the caller queues the next turn as a new prompt;
   * greedy or temperature/top-p sampling (extract/sampling.py): one uniform per row and step from a counter-based
-    hash of (seed, dataset row, turn, step): the text of a conversation depends on neither the batch it ran in, nor the
-    part size, nor the number of GPUs, so a rerun reproduces it.
+    hash of (seed, dataset row, turn, step): the text of a conversation depends on neither the batch it ran in,
+    nor the part size, nor the number of GPUs, so a rerun reproduces it.
 """
 
 from __future__ import annotations
@@ -191,11 +191,8 @@ class Engine:
         done: list[Result] = []
         if self.pending and (not self.rows or self.batch_size - len(self.rows) >= self.refill):
             t = time.perf_counter()
-            chunks: list[_Chunk] = []
-            while self.pending and len(self.rows) + sum(len(c.rows) for c in chunks) < self.batch_size:
-                chunk = self._admit(chunks)  # fill every free slot the budgets allow, one prefill forward per chunk
-                if chunk is None:
-                    break
+            chunks: list[_Chunk] = []  # fill every free slot the budgets allow, one prefill forward per chunk
+            while self.pending and (chunk := self._admit(chunks)) is not None:
                 chunks.append(chunk)
             if chunks:
                 done += self._merge(chunks)
@@ -224,7 +221,7 @@ class Engine:
 
     def _admit(self, chunks: list[_Chunk]) -> _Chunk | None:
         """Prefill one chunk of waiting prompts that fits the budgets beside the batch and the chunks prefilled
-        before it in this refill (not yet merged); None when none fits."""
+        before it in this refill (not yet merged); None when none fits (or no slot is free)."""
         rows_now = len(self.rows) + sum(len(c.rows) for c in chunks)
         free = self.batch_size - rows_now
         n_now = max([0 if self.mask is None else self.mask.shape[1]] + [c.width for c in chunks])
@@ -275,24 +272,23 @@ class Engine:
     def _merge(self, chunks: list[_Chunk]) -> list[Result]:
         """The refill's prefilled chunks into the running batch, right-aligned: ONE copy of the batch's cache per
         refill (not one per chunk), then their first tokens."""
-        parts = ([] if not self.rows else [(self.cache, self.mask)]) + [(c.cache, c.real) for c in chunks]
-        firsts = [c.first for c in chunks]
-        new_pos = [c.real.sum(-1) for c in chunks]
+        # (cache, real-token mask, newest token, its position) of the batch, then of each chunk
+        parts = [(self.cache, self.mask, self.last, self.pos)] if self.rows else []
+        parts += [(c.cache, c.real, c.first, c.real.sum(-1)) for c in chunks]
         if len(parts) == 1:
-            self.cache, self.mask = parts[0]
-            self.last, self.pos = firsts[0], new_pos[0]
+            self.cache, self.mask, self.last, self.pos = parts[0]
         else:
-            w = max(m.shape[1] for _, m in parts)
+            w = max(p[1].shape[1] for p in parts)
             pad = torch.nn.functional.pad
-            self.copied_columns += sum(m.shape[0] for _, m in parts) * w
-            self.cache = cache_stack([c for c, _ in parts], w)
-            self.mask = torch.cat([pad(m, (w - m.shape[1], 0)) for _, m in parts], 0)
-            self.last = torch.cat(([self.last] if self.rows else []) + firsts)
-            self.pos = torch.cat(([self.pos] if self.rows else []) + new_pos)
+            self.copied_columns += sum(p[1].shape[0] for p in parts) * w
+            self.cache = cache_stack([p[0] for p in parts], w)
+            self.mask = torch.cat([pad(p[1], (w - p[1].shape[1], 0)) for p in parts], 0)
+            self.last = torch.cat([p[2] for p in parts])
+            self.pos = torch.cat([p[3] for p in parts])
         base = len(self.rows)
         for c in chunks:
             self.rows.extend(c.rows)
-        return self._emit(torch.cat(firsts).tolist(), start=base)
+        return self._emit(torch.cat([c.first for c in chunks]).tolist(), start=base)
 
     @torch.inference_mode()
     def _decode(self) -> list[Result]:
@@ -344,7 +340,8 @@ class Engine:
 
     def _goes_on(self, row: _Row, res: Result, cont: Continuation, stop: bool, inputs: list, i: int) -> bool:
         """Continue `row` with `cont` if the batch's token budget allows it; True if it does."""
-        feed = list(map(int, cont.forced))
+        forced = list(map(int, cont.forced))
+        feed = forced
         if not feed or cont.max_new_tokens < 1:
             return False
         cols = self.mask.shape[1] if self.mask is not None else 0
@@ -357,14 +354,14 @@ class Engine:
         if stop:
             inputs.append((i, feed[0]))
             feed = feed[1:]
-        context = row.req.prompt + res.tokens + list(map(int, cont.forced))
+        context = row.req.prompt + res.tokens + forced
         row.req = Request(context, int(cont.max_new_tokens), key=row.req.key, rng_key=int(cont.rng_key),
                           priority=row.req.priority)
         row.out = []
         row.forced = deque(feed)
         res.continued = True
         self.continued += 1
-        self.forced_tokens += len(cont.forced)
+        self.forced_tokens += len(forced)
         return True
 
     def _retain(self, keep: list[int]) -> None:

@@ -226,8 +226,8 @@ def plan_engine(cfg_hf, dtype, device: torch.device, batch_size=0, max_batch_tok
             budget = int(0.85 * free) - act - (2 << 30)
         else:
             budget = 4 << 30
-        # A slab holds 25% more columns than its width, and admitting a prefill stacks a new slab beside the
-        # old one before the old is freed: the peak is ~2.5x the budgeted tokens (the H200 ran out of memory at
+        # A slab holds 25% more columns than its width, and a refill stacks its prefilled slabs beside the old
+        # one into a new slab before the old ones are freed: the peak is ~2.5x the budgeted tokens (the H200 ran out of memory at
         # batch 1024 with 2,600-token histories when this was 1x).
         max_batch_tokens = max(budget * 2 // (5 * per), 4096)
     return batch, int(max_batch_tokens), prefill
