@@ -10,7 +10,10 @@ the target's own attention ("model": HF's sdpa, a 4D mask and a copy of the KV c
 multi-token forward) and with the eval's decode attention ("auto": causal to the bottom right, no mask).
 Random weights accept nothing: every step emits one token, so `step ratio` = (target ms per step) / (method ms
 per step) is the speed-up a drafter would give at tau 1, and a drafter with acceptance tau gets about tau times
-that. The drafter's step runs as one CUDA graph on a GPU (--draft-graph on).
+that. The drafter's step runs as one CUDA graph on a GPU (--draft-graph on). --count-ops only counts the host
+operations (top-level aten calls) of a one-token target step and of a verify forward, per attention.
+
+    python bench/spec_step.py --device cpu --dtypes float32 --attention model,decode --count-ops
 """
 
 from __future__ import annotations
@@ -79,6 +82,29 @@ def run(args, device, dtype) -> list[dict]:
     return out
 
 
+def count_ops(args, device, dtype) -> list[dict]:
+    """Host operations (top-level aten calls, torch.profiler) of one target forward on a cached prompt: a one-token
+    step and a verify of a block, with each attention. On a launch-bound GPU step each costs host time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = target(device, dtype, args.layers)
+    ids = [i for i in LAYER_IDS if i < args.layers] or [0]
+    prompt = torch.arange(100, 100 + args.prompt_len, device=device)[None]
+    out = []
+    for attention in args.attention.split(","):
+        t = Target(model, ids, attention=attention)
+        t.reset()
+        t.forward(prompt, 0, hidden=False)
+        for q in (1, args.block):
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                t.forward(prompt[:, :q], args.prompt_len, hidden=True)
+            ops = [e for e in prof.events() if e.name.startswith("aten::")
+                   and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
+            out.append({"attention": t.attention, "tokens": q, "host_ops": len(ops)})
+            t.cache.crop(-q)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -92,9 +118,19 @@ def main() -> None:
     ap.add_argument("--attention", default="model,auto",
                     help="comma list: model (HF's sdpa), auto (eval's default: decode on a GPU in bf16), decode")
     ap.add_argument("--draft-graph", default="on" if torch.cuda.is_available() else "off", choices=["on", "off"])
+    ap.add_argument("--count-ops", action="store_true",
+                    help="Only count the host operations of a one-token step and a verify forward per attention.")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    if args.count_ops:
+        counts = [{"dtype": d, **r} for d in args.dtypes.split(",") for r in count_ops(args, device, getattr(torch, d))]
+        for r in counts:
+            print(f"{r['dtype']:<9} {r['attention']:<14} {r['tokens']:>2} tokens: {r['host_ops']:,} host operations")
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": str(device), "args": vars(args), "counts": counts}, f, indent=2)
+        return
     rows = []
     for d in args.dtypes.split(","):
         for r in run(args, device, getattr(torch, d)):
