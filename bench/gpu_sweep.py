@@ -50,29 +50,42 @@ def _save(path: str, obj) -> None:
     atomic_json(path, obj)
 
 
-def point(ev: dict, train: dict, block: int, layers: int, steps: int, seconds: dict) -> dict:
+def point(ev: dict | None, train: dict, block: int, layers: int, steps: int, seconds: dict) -> dict:
+    """A sweep point: the eval's figures (None with --eval-prompts 0) and the run's held-out expected tau (its
+    --val-cache), step time and data wait."""
+    hist = train.get("history") or [{}]
+    steady = hist[1:] or hist
+    out = {"block": block, "layers": layers, "steps": steps, "final_loss": hist[-1].get("loss"),
+           "tau_expected": hist[-1].get("tau_expected"), "val_tau": (train.get("val") or {}).get("val_tau_expected"),
+           "step_ms": sorted(h.get("step_ms", 0) for h in steady)[len(steady) // 2],
+           "data_wait": train.get("data_wait_frac"), "seconds": seconds}
+    if ev is None:
+        return out
     d, n = ev["dflash"], ev.get("ngram", {})
-    return {"block": block, "layers": layers, "steps": steps, "tau": d["tau"], "tau_ngram": n.get("tau"),
-            "target_tok_s": ev["target_tokens_per_s"], "dflash_tok_s": d["tokens_per_s"],
-            "ngram_tok_s": n.get("tokens_per_s"), "speedup": d["speedup"], "speedup_ngram": n.get("speedup"),
-            "draft_ms": d["ms_per_step"]["draft"], "verify_ms": d["ms_per_step"]["verify"],
-            "target_ms": ev["target"]["ms_per_step"]["total"],
-            "identical": d["outputs_identical"], "prompts": ev["prompts"], "dtype": ev["dtype"],
-            "near_tie": d["differences"]["near_tie"], "suspect": d["differences"]["suspect"],
-            "final_loss": (train.get("history") or [{}])[-1].get("loss"), "draft_graph": ev.get("draft_graph"),
-            "seconds": seconds}
+    return out | {"tau": d["tau"], "tau_ngram": n.get("tau"),
+                  "target_tok_s": ev["target_tokens_per_s"], "dflash_tok_s": d["tokens_per_s"],
+                  "ngram_tok_s": n.get("tokens_per_s"), "speedup": d["speedup"], "speedup_ngram": n.get("speedup"),
+                  "draft_ms": d["ms_per_step"]["draft"], "verify_ms": d["ms_per_step"]["verify"],
+                  "target_ms": ev["target"]["ms_per_step"]["total"],
+                  "identical": d["outputs_identical"], "prompts": ev["prompts"], "dtype": ev["dtype"],
+                  "near_tie": d["differences"]["near_tie"], "suspect": d["differences"]["suspect"],
+                  "draft_graph": ev.get("draft_graph")}
 
 
 def table(rows: list[dict]) -> str:
-    head = ["cache", "seed", "block", "layers", "steps", "tau", "n-gram tau", "target tok/s", "dflash tok/s", "n-gram tok/s",
-            "speed-up", "draft+verify ms", "identical", "train s"]
+    head = ["cache", "seed", "block", "layers", "steps", "held-out exp. tau", "tau", "n-gram tau", "target tok/s",
+            "dflash tok/s", "n-gram tok/s", "speed-up", "draft+verify ms", "identical", "step ms", "data wait", "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
-    for r in sorted(rows, key=lambda r: -r["speedup"]):
+    f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
+    for r in sorted(rows, key=lambda r: (-(r.get("speedup") or 0), -(r.get("val_tau") or 0))):
         lines.append("| " + " | ".join([
-            r.get("hidden_dtype", "bf16"), str(r.get("seed", 0)), str(r["block"]), str(r["layers"]), str(r["steps"]), f"{r['tau']:.2f}",
-            f"{r['tau_ngram']:.2f}" if r["tau_ngram"] is not None else "-", f"{r['target_tok_s']:.0f}",
-            f"{r['dflash_tok_s']:.0f}", f"{r['ngram_tok_s']:.0f}" if r["ngram_tok_s"] else "-", f"{r['speedup']:.2f}x",
-            f"{r['draft_ms']:.1f}+{r['verify_ms']:.1f}", f"{r['identical']}/{r['prompts']}",
+            r.get("hidden_dtype", "bf16"), str(r.get("seed", 0)), str(r["block"]), str(r["layers"]), str(r["steps"]),
+            f(r.get("val_tau"), ".2f"), f(r.get("tau"), ".2f"), f(r.get("tau_ngram"), ".2f"), f(r.get("target_tok_s"), ".0f"),
+            f(r.get("dflash_tok_s"), ".0f"), f(r.get("ngram_tok_s"), ".0f"),
+            f(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
+            f"{r['draft_ms']:.1f}+{r['verify_ms']:.1f}" if r.get("draft_ms") is not None else "-",
+            f"{r['identical']}/{r['prompts']}" if r.get("prompts") else "-", f(r.get("step_ms"), ".1f"),
+            f(100 * r["data_wait"], ".1f") + "%" if r.get("data_wait") is not None else "-",
             f"{r['seconds'].get('train', 0):.0f}"]) + " |")
     return "\n".join(lines)
 
@@ -111,11 +124,10 @@ def sweep(a, prep) -> dict:
         name = point_name(block, layers, steps, a.hidden_dtype, seed)
         key = name + tag
         if key in results:
-            print(f"sweep: {key} done already: tau {results[key]['tau']:.2f}, "
-                  f"speed-up {results[key]['speedup']:.2f}x", flush=True)
+            print(f"sweep: {key} done already", flush=True)
             continue
         # n-gram lookup depends on the block size only: measured once per block
-        ngram = not any(r["block"] == block and r["tau_ngram"] is not None for r in results.values())
+        ngram = not any(r["block"] == block and r.get("tau_ngram") is not None for r in results.values())
         seconds: dict = {}
         t = time.perf_counter()
         out = train_and_eval(prep, os.path.join(a.workdir, "sweep", name), a.config,
@@ -123,25 +135,29 @@ def sweep(a, prep) -> dict:
                              # the preset's save_every: a point killed mid-training resumes from a checkpoint
                              train_overrides={"block_size": block, "drafter_layers": layers, "max_steps": steps,
                                               "seed": seed},
-                             eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype], timings=seconds,
+                             eval_prompts=a.eval_prompts, eval_dtypes=[a.dtype] if a.eval_prompts else [],
+                             timings=seconds,
                              ngram=ngram, eval_overrides={"draft_graph": True} if a.draft_graph else None,
                              eval_tag="graph" if a.draft_graph else "")
         seconds["total"] = time.perf_counter() - t
-        results[key] = dict(point(out["eval"][a.dtype], out["train"], block, layers, steps, seconds),
+        results[key] = dict(point(out["eval"].get(a.dtype), out["train"], block, layers, steps, seconds),
                             hidden_dtype=a.hidden_dtype, seed=seed)
         _save(res_path, results)
         r = results[key]
-        print(f"sweep: {key}: tau {r['tau']:.2f}, speed-up {r['speedup']:.2f}x, "
-              f"{r['identical']}/{r['prompts']} identical, {seconds['total']:.0f} s", flush=True)
+        f = lambda v, fmt=".2f": "-" if v is None else format(v, fmt)  # noqa: E731
+        print(f"sweep: {key}: held-out expected tau {f(r['val_tau'])}, tau {f(r.get('tau'))}, speed-up "
+              f"{f(r.get('speedup'))}, step {r['step_ms']:.1f} ms, data wait {f(r['data_wait'], '.1%')}, "
+              f"{seconds['total']:.0f} s", flush=True)
     wanted = {point_name(b, n, s, a.hidden_dtype, sd) + tag for b, n, s, sd in points}
     rows = [results[k] for k in sorted(wanted & set(results))]
     for r in rows:  # the block's n-gram figures where this point did not measure them
-        if r["tau_ngram"] is None:
-            same = [q for q in results.values() if q["block"] == r["block"] and q["tau_ngram"] is not None]
+        if "tau" in r and r.get("tau_ngram") is None:
+            same = [q for q in results.values() if q["block"] == r["block"] and q.get("tau_ngram") is not None]
             if same:
                 r["tau_ngram"], r["ngram_tok_s"] = same[0]["tau_ngram"], same[0]["ngram_tok_s"]
     md = table(rows)
-    best = max(rows, key=lambda r: r["speedup"]) if rows else None
+    timed = [r for r in rows if r.get("speedup")]
+    best = max(timed, key=lambda r: r["speedup"]) if timed else None
     print(md)
     if best:
         print(f"best by wall-clock speed-up: block {best['block']}, {best['layers']} layers, {best['steps']} steps: "
@@ -231,7 +247,8 @@ def main():
     ap.add_argument("--blocks", default="4,8,16")
     ap.add_argument("--layers", default="1,2,3")
     ap.add_argument("--steps", default="1200", help="Comma-separated: one training run per value.")
-    ap.add_argument("--eval-prompts", type=int, default=24, help="Held-out prompts per eval (the recipe's first N).")
+    ap.add_argument("--eval-prompts", type=int, default=24,
+                    help="Held-out prompts per eval (the recipe's first N); 0 = no eval, the held-out expected tau only.")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--curve", action="store_true", help="The tau curve of the recipe's run instead of the sweep.")
     ap.add_argument("--draft-graph", action="store_true",

@@ -49,6 +49,8 @@ class GpuRecipe:
     eval_max_new_tokens: int = 96
     eval_dtypes: list = field(default_factory=lambda: ["bfloat16", "float32"])  # the first one gets n-gram lookup too
     later_dtype_prompts: int = 16  # prompts of the dtypes after the first (the float32 lossless check); 0 = eval_prompts
+    validation: bool = True  # regenerate + extract the held-out conversations too: train's --val-cache
+    validation_conversations: int = 0  # held-out conversations in the validation cache (the first ones); 0 = all
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
@@ -58,6 +60,7 @@ class GpuRecipe:
         check(self.max_conversations >= 0, "max_conversations", f"must be >= 0 (0 = all), got {self.max_conversations}")
         check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
         check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        check(self.validation_conversations >= 0, "validation_conversations", "must be >= 0 (0 = all)")
         check(self.later_dtype_prompts >= 0, "later_dtype_prompts", "must be >= 0 (0 = eval_prompts)")
         check(bool(self.eval_dtypes) and all(d in ("bfloat16", "float32") for d in self.eval_dtypes), "eval_dtypes",
               f"must be a non-empty list of bfloat16 / float32, got {self.eval_dtypes}")
@@ -129,8 +132,10 @@ def eval_prompts(held: list[tuple[str, list[str]]], n: int, max_turns: int) -> l
     return out
 
 
-def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]], list[list[dict]], dict]:
-    """(training samples, eval prompts, counts) from the chitchat file's dict."""
+def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]], list[list[dict]], dict,
+                                                                 list[list[dict]]]:
+    """(training samples, eval prompts, counts, held-out samples) from the chitchat file's dict. The held-out
+    samples (held-out conversations cut like the training ones) are for the validation cache only."""
     convs = dialogues(raw)
     train, held = [], []
     for key, turns in convs:
@@ -141,6 +146,9 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
     pairs = pairs[: len(pairs) - dropped]
     samples = [s for _, s in pairs]
     prompts = eval_prompts(held, recipe.eval_prompts, recipe.eval_max_turns or recipe.max_turns)
+    held_samples = [s for s in (training_sample(t, recipe.max_turns) for _, t in held) if s]
+    if recipe.validation_conversations:
+        held_samples = held_samples[: recipe.validation_conversations]
     kept_turns = sum(len(s) // 2 for s in samples)
     counts = {
         "conversations": len(convs), "train_conversations": len(train), "heldout_conversations": len(held),
@@ -149,32 +157,36 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
         "assistant_turns": kept_turns,
         "assistant_turns_cut_by_max_turns": sum(len(t) // 2 for t, _ in pairs) - kept_turns,
         "eval_prompts": len(prompts),
+        "validation_samples": len(held_samples),
         "eval_prompt_user_turns": sorted({sum(m["role"] == "user" for m in p) for p in prompts}),
     }
     if len(prompts) < recipe.eval_prompts:
         raise ValueError(f"eval_prompts: the held-out conversations give only {len(prompts)} prompts, "
                          f"{recipe.eval_prompts} asked")
-    return samples, prompts, counts
+    return samples, prompts, counts, held_samples
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
     atomic_jsonl(path, rows, ensure_ascii=False)
 
 
-def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict]:
+def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict, str]:
     """data/train.jsonl (multi-turn samples with the human replies, to be regenerated), data/heldout.jsonl
-    (prompts), data/split.json (counts). Deterministic: a rerun writes the same files."""
+    (prompts), data/valid.jsonl (the held-out conversations as samples, for the validation cache),
+    data/split.json (counts). Deterministic: a rerun writes the same files."""
     d = os.path.join(workdir, "data")
     os.makedirs(d, exist_ok=True)
     with open(chitchat_json()) as f:
         raw = json.load(f)
-    samples, prompts, counts = split_data(raw, recipe)
+    samples, prompts, counts, held_samples = split_data(raw, recipe)
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
+    valid = os.path.join(d, "valid.jsonl")
     write_jsonl(train, [{"messages": s} for s in samples])
     write_jsonl(held, [{"messages": p} for p in prompts])
+    write_jsonl(valid, [{"messages": s} for s in held_samples])
     with open(os.path.join(d, "split.json"), "w") as f:
         json.dump(dict(counts, recipe=asdict(recipe)), f, indent=2)
-    return train, held, counts
+    return train, held, counts, valid
 
 
 # --------------------------------------------------------------------------------------------
@@ -193,6 +205,7 @@ class Prepared:
     timings: dict
     regen: dict | None = None
     extract: dict | None = None
+    val_cache: str | None = None  # the held-out conversations' cache (train --val-cache), or None
 
 
 def load_recipe(preset: str = PRESET) -> GpuRecipe:
@@ -225,7 +238,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
             target = convert_gguf(smollm2_gguf(), target)
     timings["prepare target"] = time.perf_counter() - t
     t = time.perf_counter()
-    train_jsonl, held, counts = prepare_data(workdir, recipe)
+    train_jsonl, held, counts, valid_jsonl = prepare_data(workdir, recipe)
     timings["data"] = time.perf_counter() - t
     print(f"demo-gpu: {counts['train_samples']} training conversations ({counts['assistant_turns']} assistant "
           f"turns, {counts['assistant_turns_cut_by_max_turns']} more cut by max_turns={recipe.max_turns}), "
@@ -244,7 +257,18 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     ex = run_extract(build(ExtractConfig, preset, "extract",
                            {"target": target, "data": regen_out, "out": cache, "device": device, "progress": progress}))
     timings["extract"] = time.perf_counter() - t
-    return Prepared(target, held, cache, counts, timings, regen, ex)
+    val_cache = None
+    if recipe.validation:  # the held-out conversations through the same two stages: the trainer's --val-cache
+        t = time.perf_counter()
+        regen_val = os.path.join(workdir, "regenerated-valid")
+        run_regenerate(build(RegenerateConfig, preset, "regenerate",
+                             {"target": target, "data": valid_jsonl, "out": regen_val, "device": device,
+                              "progress": progress}))
+        val_cache = os.path.join(workdir, "cache-valid")
+        run_extract(build(ExtractConfig, preset, "extract", {"target": target, "data": regen_val, "out": val_cache,
+                                                             "device": device, "progress": progress}))
+        timings["validation data"] = time.perf_counter() - t
+    return Prepared(target, held, cache, counts, timings, regen, ex, val_cache)
 
 
 def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
@@ -261,12 +285,13 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     recipe = load_recipe(preset)
     timings = timings if timings is not None else {}
     t = time.perf_counter()
-    tr = run_train(build(TrainConfig, preset, "train", dict({"cache": prep.cache, "target": prep.target, "out": run,
-                                                             "device": device, "progress": progress},
-                                                            **(train_overrides or {}))))
+    base = {"cache": prep.cache, "target": prep.target, "out": run, "device": device, "progress": progress}
+    if prep.val_cache:
+        base["val_cache"] = prep.val_cache
+    tr = run_train(build(TrainConfig, preset, "train", dict(base, **(train_overrides or {}))))
     timings["train"] = time.perf_counter() - t
     evals = {}
-    for i, dtype in enumerate(eval_dtypes or recipe.eval_dtypes):
+    for i, dtype in enumerate(recipe.eval_dtypes if eval_dtypes is None else eval_dtypes):
         path = os.path.join(run, f"eval-{dtype}{'-' + eval_tag if eval_tag else ''}.json")
         if os.path.exists(path) and os.path.getmtime(path) > os.path.getmtime(os.path.join(run, "final")):
             with open(path) as f:
@@ -317,7 +342,10 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
                                                       "generation_s_this_rank", "engine_this_rank", "counts")} if prep.regen else None,
         "extract_tokens_per_s": (prep.extract or {}).get("tokens_per_s_this_rank"),
         "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
-                  "ctx_tokens_per_s": sum(tps) / len(tps) if tps else None},
+                  "ctx_tokens_per_s": sum(tps) / len(tps) if tps else None,
+                  "val_tau_expected": (tr.get("val") or {}).get("val_tau_expected"),
+                  "val_loss": (tr.get("val") or {}).get("val_loss"),
+                  "val_curve": [[h["step"], h["val_tau_expected"]] for h in hist if "val_tau_expected" in h]},
         "eval": {dt: {"tau_dflash": ev["dflash"]["tau"], "tau_ngram": ev.get("ngram", {}).get("tau"),
                       "tokens_per_s": {"target": ev["target_tokens_per_s"], "dflash": ev["dflash"]["tokens_per_s"],
                                        "ngram": ev.get("ngram", {}).get("tokens_per_s")},
@@ -350,6 +378,9 @@ def format_summary(s: dict[str, Any]) -> str:
         ("eval prompts", f"{d['eval_prompts']} from {d['heldout_conversations']} held-out conversations"),
         ("train", f"{s['train']['steps']} steps, final loss {s['train']['final_loss']:.3f}"
          if s["train"]["final_loss"] is not None else "resumed"),
+        ("expected tau, train / held-out rows", f"{s['train']['tau_expected']:.2f} / "
+         + (f"{s['train']['val_tau_expected']:.2f}" if s["train"].get("val_tau_expected") is not None else "-")
+         if s["train"].get("tau_expected") is not None else "resumed"),
         ("tau dflash / n-gram", f"{b['tau']:.2f} / " + (f"{b['tau'] / b['tau_over_ngram']:.2f} "
                                                          f"({b['tau_over_ngram']:.2f}x)" if b.get("tau_over_ngram") else "-")),
         ("speed-up vs target alone", f"{b['speedup']:.2f}x"),

@@ -7,6 +7,7 @@
   * configs/demo-gpu.yaml builds every stage's config (no unknown key), and the CLI refuses CPU-only flags.
 """
 
+import json
 import os
 import random
 import subprocess
@@ -59,7 +60,7 @@ def test_training_samples_keep_every_user_turn_with_its_history():
 def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns():
     raw = fake_chitchat(600)
     recipe = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40)
-    samples, prompts, counts = split_data(raw, recipe)
+    samples, prompts, counts, valid = split_data(raw, recipe)
     convs = dict(dialogues(raw))
     cid = {t[0]: k for k, ts in convs.items() for t in [ts[:1]] if ts}  # first turn text -> conversation
 
@@ -89,14 +90,21 @@ def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns(
     assert len(keys) == 40
     assert len({len(p) for p in prompts}) >= 3
     assert split_data(raw, recipe)[1] == prompts  # deterministic
+    # the validation samples: every held-out conversation with an answer, cut like the training ones
+    valid_ids = {conv_of(v) for v in valid}
+    assert valid_ids == {k for k, ts in convs.items() if is_heldout(k, 10) and len(ts) >= 2} >= held_ids
+    assert not (valid_ids & train_ids) and counts["validation_samples"] == len(valid)
+    for v in valid:
+        ts = convs[conv_of(v)]
+        assert [m["content"] for m in v] == ts[: min(len(ts), 8) // 2 * 2] and v[-1]["role"] == "assistant"
 
 
 def test_eval_max_turns_limits_the_prompts_not_the_training_samples():
     raw = fake_chitchat(600)
     base = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40)
     short = GpuRecipe(heldout_percent=10, max_turns=8, eval_max_turns=4, eval_prompts=40)
-    s8, p8, _ = split_data(raw, base)
-    s4, p4, _ = split_data(raw, short)
+    s8, p8, _, _ = split_data(raw, base)
+    s4, p4, _, _ = split_data(raw, short)
     assert s4 == s8  # training keeps max_turns
     assert max(len(p) for p in p8) > 4 >= max(len(p) for p in p4)  # prompts end on user turn 1 or 2
     assert {len(p) for p in p4} == {1, 3}
@@ -151,3 +159,69 @@ def test_demo_config_resolves_the_recipe_and_keeps_the_cpu_sizes():
     assert DemoConfig(recipe="gpu", device="cpu").resolved_recipe() == "gpu"
     with pytest.raises(ValueError, match="recipe"):
         DemoConfig(recipe="tpu")
+
+
+TINY_RECIPE = """
+recipe:
+  heldout_percent: 5
+  max_turns: 6
+  max_conversations: 24
+  validation_conversations: 12
+  eval_prompts: 3
+  eval_max_new_tokens: 12
+  eval_dtypes: [float32]
+regenerate:
+  max_new_tokens: 10
+  batch_size: 16
+  part_size: 16
+extract:
+  seq_len: 256
+  num_context_layers: 3
+train:
+  drafter_layers: 1
+  block_size: 4
+  num_anchors: 16
+  batch_rows: 2
+  max_steps: 6
+  lr: 3.0e-3
+  log_every: 3
+  save_every: 3
+eval:
+  ngram_max: 3
+  warmup_prompts: 0
+"""
+
+
+def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path):
+    """run_gpu_demo's stages on a tiny random target and a tiny copy of the preset: training data and the
+    validation cache come from disjoint conversations, train validates on the latter at every checkpoint, and the
+    summary carries its figures; a rerun resumes every stage."""
+    import dflash_cache
+    from dflash.demo_gpu import run_gpu_demo
+    from tests.tiny import make_tiny_target
+
+    preset = tmp_path / "tiny.yaml"
+    preset.write_text(TINY_RECIPE)
+    target = make_tiny_target(tmp_path / "target")
+    work = tmp_path / "w"
+    s = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
+    d = s["data"]
+    assert d["train_samples"] == 24 and d["validation_samples"] == 12
+    train_rows = [json.loads(x) for x in (work / "data" / "train.jsonl").read_text().splitlines()]
+    valid_rows = [json.loads(x) for x in (work / "data" / "valid.jsonl").read_text().splitlines()]
+    assert len(valid_rows) == d["validation_samples"]
+    first_user = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
+    assert not (first_user(train_rows) & first_user(valid_rows))
+    val = dflash_cache.open(str(work / "cache-valid"))
+    assert val.complete and len(val) >= 1
+    assert val.layer_ids == dflash_cache.open(str(work / "cache")).layer_ids
+    recs = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "val_tau_expected" in r] == [3, 6]
+    t = s["train"]
+    assert t["val_curve"] == [[r["step"], r["val_tau_expected"]] for r in recs if "val_tau_expected" in r]
+    assert t["val_tau_expected"] == t["val_curve"][-1][1] and 1.0 <= t["val_tau_expected"] <= 4.0
+    assert s["eval"]["float32"]["identical"] == "3/3"
+    assert "validation data" in s["timings_s"]
+
+    again = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
+    assert again["eval"] == s["eval"] and again["train"]["steps"] == 6

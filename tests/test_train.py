@@ -396,10 +396,13 @@ def test_sigkill_then_rerun_resumes_bit_exactly(env, tmp_path):
     wr, wk = weights(ref / "checkpoints" / "step_00000020"), weights(run / "checkpoints" / "step_00000020")
     assert all(torch.equal(wr[k], wk[k]) for k in wr)  # float32 checkpoints: exact too
 
-    # rerunning a finished run changes nothing
-    ok(*base(env, run, *args))
+    # rerunning a finished run changes nothing: not the metrics, the summary, nor final/ (so what was measured on
+    # final/, e.g. RUN/eval-*.json by the demo, stays current)
+    before = (run / "summary.json").read_bytes(), (run / "final" / "model.safetensors").stat().st_mtime_ns
+    out = ok(*base(env, run, *args))
+    assert "nothing to do" in out and "finished its 20 steps" in out
     assert logged_steps(run) == list(range(1, 21))
-    assert read_json(run / "summary.json")["steps_this_run"] == 0
+    assert ((run / "summary.json").read_bytes(), (run / "final" / "model.safetensors").stat().st_mtime_ns) == before
 
 
 def test_grad_accum_run_and_its_resume(env, tmp_path):

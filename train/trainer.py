@@ -97,6 +97,12 @@ class Trainer:
                                tied=bool(getattr(tc, "tie_word_embeddings", False)))
             if note:
                 print0(f"train: {note}")
+        self.validator = None
+        if cfg.val_cache:
+            from .validate import Validator
+
+            self.validator = Validator(cfg.val_cache, cache, expect, cfg.val_rows, cfg.batch_rows, cfg.num_anchors,
+                                       cfg.gamma, dev, cfg.loader_threads)
         tok = load_tokenizer(cfg.target)
         mask_id = resolve_mask_token_id(tok, tc.vocab_size, cfg.mask_token_id)
         self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.layer_ids,
@@ -160,6 +166,7 @@ class Trainer:
         self.history: list[dict] = []
         self.last_good: str | None = None
         self.pinned = None
+        self.val_time = 0.0  # seconds of validation inside the current window (not step time)
 
     def verify_compiled(self, x: dict, scores: torch.Tensor) -> None:
         """Check the compiled step against the eager one once (train/compile_check.py), say what it found, and
@@ -225,9 +232,12 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, dist = self.cfg, self.dist
+        done = self.finished()
+        if done is not None:
+            return done
         logger = init_wandb(cfg, self.resolved, dist.is_main)
         self.metrics.reset()
-        self.history, self.last_good, self.pinned = [], None, None
+        self.history, self.last_good, self.pinned, self.val_time = [], None, None, 0.0
         data = self.micro_batches(self.step * cfg.grad_accum)
         bar = progress.bar(cfg.progress and dist.is_main, total=self.total_steps, initial=self.step, desc="train",
                            unit="step")
@@ -252,7 +262,8 @@ class Trainer:
                 is_log = self.step % cfg.log_every == 0 or self.step == self.total_steps
                 is_save = self.step % cfg.save_every == 0 or self.step == self.total_steps
                 if is_log or is_save:
-                    self.log_window(window, lr, logger, bar)
+                    val = self.validate() if is_save else None
+                    self.log_window(window, lr, logger, bar, val)
                 if is_save:
                     self.checkpoint()
         finally:
@@ -270,10 +281,24 @@ class Trainer:
         out = {"steps": self.step, "history": self.history, "elapsed_s": elapsed, "steps_this_run": steps_done,
                "data_wait_frac": window.wait_total / elapsed if elapsed > 0 else 0.0,
                "recompiles_after_warmup": recompiles, "final": os.path.join(cfg.out, "final"), "params": self.nparams,
-               "compiled": self.compiled, "compile_check": self.check}
+               "compiled": self.compiled, "compile_check": self.check,
+               "val": next((h for h in reversed(self.history) if "val_loss" in h), None)}
         if dist.is_main:
             atomic_json(os.path.join(cfg.out, "summary.json"), out)
         return out
+
+    def finished(self) -> dict[str, Any] | None:
+        """A rerun of a finished run: its summary as written (final/ and the metrics kept as they are, so whatever
+        was measured on final/ stays valid), else None."""
+        path = os.path.join(self.cfg.out, "summary.json")
+        if self.step < self.total_steps or not (os.path.exists(path) and os.path.isdir(os.path.join(self.cfg.out, "final"))):
+            return None
+        with open(path) as f:
+            out = json.load(f)
+        if out.get("steps") != self.step:
+            return None
+        print0(f"train: nothing to do: {self.cfg.out} finished its {self.total_steps} steps (final/ kept)")
+        return dict(out, steps_this_run=0)
 
     def train_step(self, data, lr: float) -> float:
         """One optimizer step on the device: grad_accum micro-batches (forward, backward, gradients copied or added
@@ -325,10 +350,22 @@ class Trainer:
             p.grad = None
         return waited
 
-    def log_window(self, window: Window, lr: float, logger, bar) -> None:
+    def validate(self) -> dict | None:
+        """The held-out metrics of --val-cache (train/validate.py), on rank 0; every rank waits. Its time is not
+        counted in the window's step time."""
+        if self.validator is None:
+            return None
+        t = time.perf_counter()
+        val = self.validator(self.model) if self.dist.is_main else None
+        barrier()
+        self.val_time += time.perf_counter() - t
+        return val
+
+    def log_window(self, window: Window, lr: float, logger, bar, val: dict | None = None) -> None:
         """The end of a logging window: the metrics over all ranks, read once (the host sync), checked finite
         (else NonFiniteLoss naming the first bad step and the last good checkpoint), one record appended to
-        self.history, RUN/metrics.jsonl and wandb (rank 0); then the window starts over."""
+        self.history, RUN/metrics.jsonl and wandb (rank 0), with the held-out metrics when given; then the window
+        starts over."""
         cfg, dist = self.cfg, self.dist
         T = self.cache.seq_len
         if dist.distributed:  # the logged metrics are over all ranks' data, not rank 0's
@@ -340,7 +377,8 @@ class Trainer:
             raise NonFiniteLoss(
                 f"non-finite loss or gradient at step {first} (of {self.total_steps}); "
                 f"the last good checkpoint is {self.last_good or 'none (no checkpoint yet)'}")
-        dt = time.perf_counter() - window.start
+        dt = time.perf_counter() - window.start - self.val_time
+        self.val_time = 0.0
         nmicro = window.steps * cfg.grad_accum
         rows = nmicro * cfg.batch_rows * dist.world
         rec = {
@@ -356,12 +394,16 @@ class Trainer:
             # per GPU: this rank's FLOPs over one chip's peak (every rank does the same work)
             "mfu": (self.flops * window.steps / dt / self.peak) if self.peak else None,
             "epoch": self.step * cfg.grad_accum / self.spe,
-        }
+        } | (val or {})
         self.history.append(rec)
         if dist.is_main:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_expected']:.2f}",
                             tok_s=f"{rec['ctx_tokens_per_s']:,.0f}", refresh=False)
-            logger.log({k: v for k, v in rec.items() if k != "slot_acc"} |
+            if val:
+                print0(f"train: step {self.step}: held-out loss {val['val_loss']:.4f}, expected tau "
+                       f"{val['val_tau_expected']:.2f} ({val['val_rows']} rows of --val-cache; training rows: "
+                       f"{rec['tau_expected']:.2f})")
+            logger.log({k: v for k, v in rec.items() if k not in ("slot_acc", "val_slot_acc")} |
                        {f"slot_acc/{i + 1}": a for i, a in enumerate(rec["slot_acc"])}, step=self.step)
             with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(rec) + "\n")
@@ -399,6 +441,10 @@ def _run_train(cfg: TrainConfig) -> dict[str, Any]:
         print0(f"train: step {out['steps']}: loss {last['loss']:.4f}, expected tau {last['tau_expected']:.2f}, "
                f"{last['ctx_tokens_per_s']:,.0f} ctx tok/s, data wait {100 * out['data_wait_frac']:.1f}%, "
                f"recompiles after warm-up {out['recompiles_after_warmup']}; drafter -> {out['final']}")
+        if out["val"]:
+            v = out["val"]
+            print0(f"train: held-out (--val-cache, {v['val_rows']} rows, step {v['step']}): loss {v['val_loss']:.4f}, "
+                   f"expected tau {v['val_tau_expected']:.2f}")
     return out
 
 

@@ -1,0 +1,118 @@
+"""`dflash train --val-cache`: held-out loss and expected tau at every checkpoint (train/validate.py).
+
+A tiny target, a training cache and a held-out cache from other conversations, both by the real `dflash extract`.
+What is checked: the records at the checkpoint steps carry the held-out metrics, summary.json the last of them;
+they are the figures of the saved drafter measured again from its files; the training itself (losses, weights) is
+bit for bit the run without validation; the split attention the validation uses on a GPU (in place of flex)
+gives the dense reference's figures; a held-out cache with other layers, or of another target, is refused
+naming --val-cache.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+import dflash_cache
+from dflash.train.checkpoint import load_drafter
+from dflash.train.target_head import load_target_head
+from dflash.train.validate import Validator
+from tests.test_train import SMALL, assert_clean_error, cli, dflash, metrics, ok, read_json, weights
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
+
+SEQ = 128
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("val")
+    target = make_tiny_target(root / "target")
+    train = write_jsonl(root / "train.jsonl", chat_rows(40, seed=3))
+    held = write_jsonl(root / "held.jsonl", chat_rows(16, seed=11))
+    for data, out in ((train, "cache"), (held, "val")):
+        dflash("extract", "--target", target, "--data", data, "--out", root / out, "--seq-len", SEQ,
+               "--rows-per-shard", 8)
+    return {"root": root, "target": target, "cache": root / "cache", "val": root / "val"}
+
+
+def run_args(env, out, *more):
+    return ["train", "--cache", env["cache"], "--target", env["target"], "--out", out, *SMALL, "--max-steps", 6,
+            "--save-every", 3, "--log-every", 3, "--lr", 3e-3, *map(str, more)]
+
+
+def measure(env, drafter_dir, impl: str, rows: int = 0) -> dict:
+    """The held-out figures of a saved drafter, measured from its files."""
+    model = load_drafter(str(drafter_dir), attn_impl=impl, dtype=torch.float32)
+    emb, head = load_target_head(str(env["target"]))
+    model.set_target_head(emb, head)
+    train = dflash_cache.open(str(env["cache"]))
+    v = Validator(str(env["val"]), train, {}, rows, 2, 16, 7.0, torch.device("cpu"))
+    return v(model)
+
+
+def test_held_out_metrics_at_every_checkpoint_without_changing_training(env, tmp_path):
+    plain, val = tmp_path / "plain", tmp_path / "val"
+    ok(*run_args(env, plain))
+    out = ok(*run_args(env, val, "--val-cache", env["val"], "--val-rows", 0))
+    recs = metrics(val)
+    held = [r for r in recs if "val_loss" in r]
+    assert [r["step"] for r in held] == [3, 6]
+    n_val = len(dflash_cache.open(str(env["val"])))
+    for r in held:
+        assert r["val_rows"] == n_val and r["val_blocks"] > 0
+        assert 1.0 <= r["val_tau_expected"] <= 4.0 and len(r["val_slot_acc"]) == 3
+        assert r["val_loss"] > 0 and r["val_s"] >= 0
+    assert held[1]["val_loss"] < held[0]["val_loss"]  # it learns something that carries over
+    assert "held-out" in out and f"{held[1]['val_tau_expected']:.2f}" in out
+    summary = read_json(val / "summary.json")
+    assert summary["val"] == held[1]
+
+    # the validation does not touch training: the same losses and the same final weights, bit for bit
+    assert [r["loss"] for r in metrics(plain)] == [r["loss"] for r in recs]
+    a, b = weights(plain / "final"), weights(val / "final")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert read_json(plain / "summary.json")["val"] is None
+
+    # the figures are the saved drafter's, measured again from its files (fixed anchors: reproducible)
+    again = measure(env, val / "final", "split")
+    for k in ("val_loss", "val_tau_expected", "val_blocks"):
+        assert again[k] == pytest.approx(held[1][k], rel=1e-5), k
+
+
+def test_split_attention_gives_the_dense_references_figures(env, tmp_path):
+    run = tmp_path / "run"
+    ok(*run_args(env, run))
+    dense = measure(env, run / "final", "sdpa", rows=5)
+    split = measure(env, run / "final", "split", rows=5)
+    assert dense["val_rows"] == 5 and dense["val_blocks"] == split["val_blocks"]
+    assert split["val_loss"] == pytest.approx(dense["val_loss"], rel=1e-5)
+    assert split["val_tau_expected"] == pytest.approx(dense["val_tau_expected"], abs=1e-6)
+    assert split["val_slot_acc"] == pytest.approx(dense["val_slot_acc"], abs=1e-6)
+
+
+def test_a_val_cache_that_does_not_fit_is_refused_naming_the_flag(env, tmp_path):
+    # other layers
+    other = tmp_path / "other"
+    dflash("extract", "--target", env["target"], "--data", env["root"] / "held.jsonl", "--out", other,
+           "--seq-len", SEQ, "--num-context-layers", 2)
+    code, _, err = cli(*run_args(env, tmp_path / "r1", "--val-cache", other))
+    assert_clean_error(code, err, "--val-cache", "layers")
+    assert not (tmp_path / "r1").exists()
+
+    # another target's cache (same shapes, another config)
+    tgt = tmp_path / "tgt"
+    shutil.copytree(env["target"], tgt)
+    conf = read_json(tgt / "config.json")
+    conf["rms_norm_eps"] = 1e-5
+    (tgt / "config.json").write_text(json.dumps(conf))
+    foreign = tmp_path / "foreign"
+    dflash("extract", "--target", tgt, "--data", env["root"] / "held.jsonl", "--out", foreign, "--seq-len", SEQ)
+    code, _, err = cli(*run_args(env, tmp_path / "r2", "--val-cache", foreign))
+    assert_clean_error(code, err, "--val-cache", "target.config_hash")
+
+    # a missing one
+    code, _, err = cli(*run_args(env, tmp_path / "r3", "--val-cache", tmp_path / "nope"))
+    assert code == 2 and "--val-cache" in err and "Traceback" not in err, err
