@@ -296,6 +296,10 @@ def eval_cmd(preset, no_progress, **flags):
 @option("--batch-size", type=int, help="Sequences decoded together.", default_text="256 on GPU, 32 on CPU")
 @option("--max-batch-tokens", type=int, help="Bound on sequences x KV-cache length.", default_text="what fits free GPU memory at the peak (~2.5x the admitted tokens); 4 GiB peak on CPU")
 @option("--prefill-tokens", type=int, help="Padded prompt tokens per prefill forward.", default_text="16384 on GPU, 2048 on CPU")
+@option("--turns", type=click.Choice(["all", "last"]),
+        help="all: every assistant turn, each after the target's own earlier answers; last: only the last one, after "
+        "the history as the data has it (its answers kept as context, marked weight 0: extract does not train on "
+        "them). One sample per user turn + --turns last = the target answering real histories.")
 @option("--continue-turns/--no-continue-turns", default=None,
         help="Let a conversation's next turn go on in its row of the batch (the ids between the turns are fed one per "
              "decode step) instead of prefilling its whole history again; the same text either way.")

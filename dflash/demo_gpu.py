@@ -49,6 +49,11 @@ class GpuRecipe:
     eval_max_new_tokens: int = 96
     eval_dtypes: list = field(default_factory=lambda: ["bfloat16", "float32"])  # the first one gets n-gram lookup too
     later_dtype_prompts: int = 16  # prompts of the dtypes after the first (the float32 lossless check); 0 = eval_prompts
+    # "dataset": one sample per user turn, its history as chitchat has it and only its answer regenerated (regenerate
+    # --turns last): the target answering real conversations, as in the eval prompts; "target": one sample per
+    # conversation, every answer regenerated after the target's own earlier ones (SmolLM2-135M then repeats its
+    # first answer in 77-100% of the 4-grams of every later turn: BENCHMARKS, "GPU recipe", fourth run)
+    history: str = "target"
     validation: bool = True  # regenerate + extract the held-out conversations too: train's --val-cache
     validation_conversations: int = 0  # held-out conversations in the validation cache (the first ones); 0 = all
 
@@ -60,6 +65,7 @@ class GpuRecipe:
         check(self.max_conversations >= 0, "max_conversations", f"must be >= 0 (0 = all), got {self.max_conversations}")
         check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
         check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
+        check(self.history in ("dataset", "target"), "history", f"must be dataset or target, got {self.history!r}")
         check(self.validation_conversations >= 0, "validation_conversations", "must be >= 0 (0 = all)")
         check(self.later_dtype_prompts >= 0, "later_dtype_prompts", "must be >= 0 (0 = eval_prompts)")
         check(bool(self.eval_dtypes) and all(d in ("bfloat16", "float32") for d in self.eval_dtypes), "eval_dtypes",
@@ -105,6 +111,13 @@ def training_sample(turns: list[str], max_turns: int) -> list[dict[str, str]] | 
     return as_messages(kept) if kept else None
 
 
+def turn_samples(turns: list[str], max_turns: int) -> list[list[dict[str, str]]]:
+    """One sample per answered user turn within the first max_turns turns (0 = all): the conversation as the data
+    has it up to that user turn, then its answer (the one `regenerate --turns last` rewrites)."""
+    kept = turns[:max_turns] if max_turns else list(turns)
+    return [as_messages(kept[: j + 2]) for j in range(0, len(kept) - 1, 2)]
+
+
 def eval_prompts(held: list[tuple[str, list[str]]], n: int, max_turns: int) -> list[list[dict[str, str]]]:
     """n prompts from held-out conversations: a history up to (and including) a user turn. Conversations
     are taken in the order of their id's hash; round r takes from conversation i its ((i + r) mod u)-th
@@ -144,20 +157,27 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
     without_answer = len(train) - len(pairs)
     dropped = max(0, len(pairs) - recipe.max_conversations) if recipe.max_conversations else 0
     pairs = pairs[: len(pairs) - dropped]
-    samples = [s for _, s in pairs]
+    used = len(pairs)
     prompts = eval_prompts(held, recipe.eval_prompts, recipe.eval_max_turns or recipe.max_turns)
-    held_samples = [s for s in (training_sample(t, recipe.max_turns) for _, t in held) if s]
+    held_convs = [t for _, t in held if training_sample(t, recipe.max_turns)]
     if recipe.validation_conversations:
-        held_samples = held_samples[: recipe.validation_conversations]
-    kept_turns = sum(len(s) // 2 for s in samples)
+        held_convs = held_convs[: recipe.validation_conversations]
+    if recipe.history == "dataset":  # one sample per user turn, the data's own history
+        samples = [s for t, _ in pairs for s in turn_samples(t, recipe.max_turns)]
+        held_samples = [s for t in held_convs for s in turn_samples(t, recipe.max_turns)]
+    else:
+        samples = [s for _, s in pairs]
+        held_samples = [training_sample(t, recipe.max_turns) for t in held_convs]
+    kept_turns = sum(len(s) // 2 for s in samples) if recipe.history == "target" else len(samples)
     counts = {
         "conversations": len(convs), "train_conversations": len(train), "heldout_conversations": len(held),
+        "history": recipe.history, "train_conversations_used": used,
         "train_samples": len(samples), "train_without_assistant_turn": without_answer,
         "train_dropped_by_max_conversations": dropped,
         "assistant_turns": kept_turns,
         "assistant_turns_cut_by_max_turns": sum(len(t) // 2 for t, _ in pairs) - kept_turns,
         "eval_prompts": len(prompts),
-        "validation_samples": len(held_samples),
+        "validation_samples": len(held_samples), "validation_conversations": len(held_convs),
         "eval_prompt_user_turns": sorted({sum(m["role"] == "user" for m in p) for p in prompts}),
     }
     if len(prompts) < recipe.eval_prompts:
@@ -240,16 +260,18 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     t = time.perf_counter()
     train_jsonl, held, counts, valid_jsonl = prepare_data(workdir, recipe)
     timings["data"] = time.perf_counter() - t
-    print(f"demo-gpu: {counts['train_samples']} training conversations ({counts['assistant_turns']} assistant "
-          f"turns, {counts['assistant_turns_cut_by_max_turns']} more cut by max_turns={recipe.max_turns}), "
+    print(f"demo-gpu: {counts['train_conversations_used']} training conversations ({counts['assistant_turns']} "
+          f"assistant turns to regenerate, {counts['assistant_turns_cut_by_max_turns']} more cut by max_turns="
+          f"{recipe.max_turns}; history: {recipe.history}) in {counts['train_samples']} samples, "
           f"{counts['eval_prompts']} eval prompts from {counts['heldout_conversations']} held-out conversations",
           flush=True)
 
     regen_out = os.path.join(workdir, "regenerated")
     t = time.perf_counter()
+    turns = {"turns": "last"} if recipe.history == "dataset" else {}
     regen = run_regenerate(build(RegenerateConfig, preset, "regenerate",
                                  {"target": target, "data": train_jsonl, "out": regen_out, "device": device,
-                                  "progress": progress}))
+                                  "progress": progress, **turns}))
     timings["regenerate"] = time.perf_counter() - t
 
     cache = os.path.join(workdir, "cache")
@@ -263,7 +285,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
         regen_val = os.path.join(workdir, "regenerated-valid")
         run_regenerate(build(RegenerateConfig, preset, "regenerate",
                              {"target": target, "data": valid_jsonl, "out": regen_val, "device": device,
-                              "progress": progress}))
+                              "progress": progress, **turns}))
         val_cache = os.path.join(workdir, "cache-valid")
         run_extract(build(ExtractConfig, preset, "extract", {"target": target, "data": regen_val, "out": val_cache,
                                                              "device": device, "progress": progress}))
@@ -373,8 +395,9 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
 def format_summary(s: dict[str, Any]) -> str:
     b, d = s["bars"], s["data"]
     rows = [
-        ("training data", f"{d['train_samples']:,} conversations, {d['assistant_turns']:,} assistant turns "
-                          "regenerated by the target"),
+        ("training data", f"{d.get('train_conversations_used', d['train_samples']):,} conversations, "
+                          f"{d['assistant_turns']:,} assistant turns regenerated by the target (history: "
+                          f"{d.get('history', 'target')})"),
         ("eval prompts", f"{d['eval_prompts']} from {d['heldout_conversations']} held-out conversations"),
         ("train", f"{s['train']['steps']} steps, final loss {s['train']['final_loss']:.3f}"
          if s["train"]["final_loss"] is not None else "resumed"),

@@ -55,7 +55,8 @@ class ChatTokenizer:
 
     loss_mask is 1 exactly on the tokens the assistant produces: each assistant turn's content plus the template's
     end-of-turn text after it (ChatML: "<|im_end|>\\n"); 0 on system/user turns and assistant headers
-    ("<|im_start|>assistant\\n").
+    ("<|im_start|>assistant\\n"), and on assistant turns with "weight": 0 (context only, as in OpenAI's fine-tuning
+    format; `dflash regenerate --turns last` marks the answers it keeps from the data so).
 
     Method: for assistant turn i, its supervised character span in render(messages) is
     [len(render(messages[:i], add_generation_prompt=True)), len(render(messages[:i+1]))), where both renders must
@@ -182,7 +183,8 @@ class ChatTokenizer:
         for i, m in enumerate(messages):
             if m["role"] == "assistant":
                 start, end = self._turn_span(full, messages, i, lo, where)
-                spans.append((start, end))
+                if m.get("weight", 1) != 0:  # weight 0: an answer kept as context only (OpenAI's convention)
+                    spans.append((start, end))
                 lo = end
         return full, spans
 

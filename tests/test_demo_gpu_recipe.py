@@ -99,6 +99,23 @@ def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns(
         assert [m["content"] for m in v] == ts[: min(len(ts), 8) // 2 * 2] and v[-1]["role"] == "assistant"
 
 
+def test_dataset_history_gives_one_sample_per_user_turn_with_the_datas_own_history():
+    raw = fake_chitchat(300)
+    target = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=20)
+    data = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=20, history="dataset")
+    st, pt, ct, vt = split_data(raw, target)
+    sd, pd, cd, vd = split_data(raw, data)
+    assert pd == pt  # the eval prompts do not depend on it
+    assert cd["train_conversations_used"] == ct["train_conversations_used"] == len(st)
+    # each conversation sample of "target" becomes its prefixes ending on each answer, in order
+    assert sd == [s[: j + 2] for s in st for j in range(0, len(s), 2)]
+    assert vd == [s[: j + 2] for s in vt for j in range(0, len(s), 2)]
+    assert cd["assistant_turns"] == ct["assistant_turns"] == len(sd)
+    assert cd["assistant_turns_cut_by_max_turns"] == ct["assistant_turns_cut_by_max_turns"]
+    with pytest.raises(Exception, match="history"):
+        GpuRecipe(history="human")
+
+
 def test_eval_max_turns_limits_the_prompts_not_the_training_samples():
     raw = fake_chitchat(600)
     base = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40)
@@ -192,21 +209,34 @@ eval:
 """
 
 
-def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path):
+@pytest.mark.parametrize("history", ["target", "dataset"])
+def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path, history):
     """run_gpu_demo's stages on a tiny random target and a tiny copy of the preset: training data and the
     validation cache come from disjoint conversations, train validates on the latter at every checkpoint, and the
-    summary carries its figures; a rerun resumes every stage."""
+    summary carries its figures; a rerun resumes every stage. history "dataset": one sample per user turn, only
+    its answer the target's (the earlier ones kept, weight 0, not trained on)."""
     import dflash_cache
     from dflash.demo_gpu import run_gpu_demo
     from tests.tiny import make_tiny_target
 
     preset = tmp_path / "tiny.yaml"
-    preset.write_text(TINY_RECIPE)
+    preset.write_text(TINY_RECIPE.replace("recipe:\n", f"recipe:\n  history: {history}\n"))
     target = make_tiny_target(tmp_path / "target")
     work = tmp_path / "w"
     s = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
     d = s["data"]
-    assert d["train_samples"] == 24 and d["validation_samples"] == 12
+    assert d["train_conversations_used"] == 24 and d["validation_conversations"] == 12 and d["history"] == history
+    regen = [json.loads(x) for f in sorted((work / "regenerated" / "data").glob("part-*.jsonl"))
+             for x in f.read_text().splitlines()]
+    if history == "target":
+        assert d["train_samples"] == 24 and d["validation_samples"] == 12
+        assert not any("weight" in m for r in regen for m in r["messages"])
+    else:  # a sample per answered user turn (max_turns 6: up to 3), earlier answers kept as context
+        assert d["train_samples"] == d["assistant_turns"] > 24 and d["validation_samples"] > 12
+        assert len(regen) == d["train_samples"]
+        for r in regen:
+            answers = [m for m in r["messages"] if m["role"] == "assistant"]
+            assert all(m.get("weight") == 0 for m in answers[:-1]) and "weight" not in answers[-1]
     train_rows = [json.loads(x) for x in (work / "data" / "train.jsonl").read_text().splitlines()]
     valid_rows = [json.loads(x) for x in (work / "data" / "valid.jsonl").read_text().splitlines()]
     assert len(valid_rows) == d["validation_samples"]

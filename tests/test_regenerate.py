@@ -487,3 +487,68 @@ def test_default_engine_budget_counts_the_stack_transient():
     assert tokens == (4 << 30) * 2 // (5 * per)
     assert 2.5 * tokens * per <= 4 << 30
     assert plan_engine(cfg, torch.float32, torch.device("cpu"), max_batch_tokens=1000)[1] == 1000
+
+
+def test_turns_last_answers_the_datas_own_history_and_extract_trains_on_that_answer_only(tiny, model, tmp_path):
+    """--turns last: only the last assistant turn is the target's (its greedy answer to the history as the data has
+    it); the earlier answers stay verbatim, marked weight 0; `dflash extract` supervises exactly the last answer."""
+    import dflash_cache
+    from click.testing import CliRunner
+
+    from dflash.cli import main
+    from dflash.extract.data import ChatTokenizer
+
+    rows = [{"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "human answer one"},
+                          {"role": "user", "content": "u2"}, {"role": "assistant", "content": "human answer two"}]},
+            {"messages": [{"role": "user", "content": "just one"}, {"role": "assistant", "content": "x"}]},
+            {"messages": [{"role": "user", "content": "a prompt only"}]}]
+    data = write_jsonl(tmp_path / "chats.jsonl", rows)
+    out = tmp_path / "out"
+    summary = run_regenerate(_cfg(tiny, data, out, turns="last"))
+    assert summary["counts"]["turns"] == 3 and read_meta(str(out))["settings"]["turns"] == "last"
+    got = {r["source_row"]: r["messages"] for r in _read_parts(out)}
+    tok = load_tokenizer(tiny)
+    eos = {tok.convert_tokens_to_ids("<|im_end|>")}
+    for r, msgs in got.items():
+        src = rows[r]["messages"]
+        *history, last = msgs
+        assert history == [dict(m, weight=0) if m["role"] == "assistant" else m for m in src[: len(history)]], r
+        text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
+        ref, stop = _reference(model, tok(text, add_special_tokens=False)["input_ids"], 12, eos)
+        assert last == {"role": "assistant", "content": tok.decode(ref[:-1] if stop else ref, skip_special_tokens=False,
+                                                                   clean_up_tokenization_spaces=False)}, r
+    # resuming with the other setting is refused, naming the flag
+    with pytest.raises(ConfigError, match="--turns"):
+        run_regenerate(_cfg(tiny, data, out))
+
+    # extract: the loss mask covers the last answer (+ end of turn) only
+    cache = tmp_path / "cache"
+    res = CliRunner().invoke(main, ["extract", "--target", tiny, "--data", str(out), "--out", str(cache),
+                                    "--seq-len", "256", "--num-context-layers", "2"])
+    assert res.exit_code == 0, res.output
+    ct = ChatTokenizer(tok)
+    msgs = got[0]
+    ids, mask = ct.encode(msgs)
+    plain_ids, plain_mask = ct.encode([{k: v for k, v in m.items() if k != "weight"} for m in msgs])
+    assert ids == plain_ids and sum(mask) < sum(plain_mask)
+    prefix = tok(tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False),
+                 add_special_tokens=False)["input_ids"]
+    assert not any(mask[: len(prefix)]) and all(mask[len(prefix): len(ids) - 1])  # the answer and its end of turn
+    c = dflash_cache.open(str(cache))
+    sup = sum(int(c[i]["loss_mask"].sum()) for i in range(len(c)))
+    assert sup == sum(sum(ct.encode(m)[1]) for m in got.values())
+
+
+def test_weight_must_be_0_or_1_on_an_assistant_message(tmp_path):
+    from dflash.core.chat import to_messages
+
+    ok = to_messages({"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a",
+                                                                         "weight": 0}]}, 0, "d")
+    assert ok[1] == {"role": "assistant", "content": "a", "weight": 0}
+    one = to_messages({"messages": [{"role": "user", "content": "u", "weight": None},
+                                    {"role": "assistant", "content": "a", "weight": 1}]}, 0, "d")
+    assert one == [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    for bad in ({"role": "assistant", "content": "a", "weight": 0.5}, {"role": "user", "content": "u", "weight": 0},
+                {"role": "assistant", "content": "a", "weight": True}):
+        with pytest.raises(DataError, match=r"d, row 3: messages\[0\]\.weight"):
+            to_messages({"messages": [bad]}, 3, "d")

@@ -258,7 +258,15 @@ def _openai_messages(messages, where: str) -> list[dict]:
             raise DataError(f"{where}: {fld}.role {role!r} is unknown; expected one of {', '.join(ROLES)}")
         if "content" not in m:
             raise DataError(f"{where}: {fld} has no 'content'")
-        out.append({"role": role, "content": _text_content(m["content"], where, f"{fld}.content")})
+        msg = {"role": role, "content": _text_content(m["content"], where, f"{fld}.content")}
+        weight = m.get("weight")  # OpenAI's fine-tuning convention: weight 0 = context only, not trained on
+        if weight is not None:
+            if role != "assistant" or isinstance(weight, bool) or weight not in (0, 1):
+                raise DataError(f"{where}: {fld}.weight must be 0 or 1 on an assistant message (0: kept as context, "
+                                f"not trained on), got {weight!r} on a {role} message")
+            if weight == 0:
+                msg["weight"] = 0
+        out.append(msg)
     return out
 
 
