@@ -66,6 +66,25 @@ def check_compiled(compiled_fn, model, params: list[torch.Tensor], args: tuple, 
     return res
 
 
+def check_and_report(compiled_fn, model, params, args: tuple, cuda: bool, dist) -> tuple[dict[str, Any], bool]:
+    """check_compiled, said in one line; on disagreement a warning, and the compiled graphs released (the caller
+    then trains with the eager step). Returns (the check's record, whether the compiled step may be used)."""
+    from dflash.core.dist import print0
+
+    c = check_compiled(compiled_fn, model, params, args, cuda, dist)
+    if c["ran"]:
+        print0(f"train: compiled step vs eager on the first batch: loss {c['loss_compiled']:.5f} vs "
+               f"{c['loss_eager']:.5f}, gradient error {c['grad_rel_err']:.3g} (lowest cosine "
+               f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): {'agree' if c['passed'] else 'DISAGREE'}")
+    else:
+        print0(f"train: note: compiled-step check skipped: {c['why']}")
+    if not c["passed"]:
+        print0("train: WARNING: the compiled step disagrees with the eager one at this shape; continuing with the "
+               "eager step (slower, correct). --no-compile-check skips the check; --compile off skips compilation.")
+        release_compiled(cuda)
+    return c, bool(c["passed"])
+
+
 def grad_agreement(grads: list[torch.Tensor], ref: list[torch.Tensor], names: list[str]) -> dict[str, Any]:
     """How far gradients are from reference ones: relative L2 error over all tensors together, and per tensor
     its relative error and cosine (the lowest cosine and whose it is, too)."""

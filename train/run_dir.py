@@ -104,6 +104,17 @@ def latest_checkpoint(out: str) -> str | None:
     return full if os.path.exists(os.path.join(full, "trainer.json")) else None
 
 
+def finished_run(out: str, step: int, total_steps: int) -> dict[str, Any] | None:
+    """The summary of a run that already finished its total_steps (restored at step == total_steps, with
+    summary.json of that step and final/), with steps_this_run 0; else None. A rerun then changes nothing."""
+    path = os.path.join(out, "summary.json")
+    if step < total_steps or not (os.path.exists(path) and os.path.isdir(os.path.join(out, "final"))):
+        return None
+    with open(path) as f:
+        summary = json.load(f)
+    return dict(summary, steps_this_run=0) if summary.get("steps") == step else None
+
+
 def drop_metrics_after(out: str, step: int) -> None:
     """Remove the records of steps > step from RUN/metrics.jsonl (they are about to be redone)."""
     metrics = os.path.join(out, "metrics.jsonl")

@@ -44,12 +44,12 @@ from dflash.core.paths import output_lock
 from dflash.core.target import load_config, load_tokenizer, target_info, text_config
 from dflash.core.weights import check_roles
 
-from .compile_check import check_compiled, compile_count, release_compiled
+from .compile_check import check_and_report, compile_count
 from .config import NonFiniteLoss, TrainConfig, TrainError
 from .metrics import TrainMetrics, init_wandb
 from .model import DFlashDrafter, DrafterConfig
-from .run_dir import (check_out_path, check_run_dir, drop_metrics_after, latest_checkpoint, load_checkpoint,
-                      save_checkpoint, save_final)
+from .run_dir import (check_out_path, check_run_dir, drop_metrics_after, finished_run, latest_checkpoint,
+                      load_checkpoint, save_checkpoint, save_final)
 from .schedule import lr_at, peak_flops, step_flops
 from .target_head import load_target_head, resolve_mask_token_id
 
@@ -169,24 +169,14 @@ class Trainer:
         self.val_time = 0.0  # seconds of validation inside the current window (not step time)
 
     def verify_compiled(self, x: dict, scores: torch.Tensor) -> None:
-        """Check the compiled step against the eager one once (train/compile_check.py), say what it found, and
-        fall back to the eager step if it failed."""
+        """Check the compiled step against the eager one once; on disagreement train eagerly (compile_check.py)."""
         cfg = self.cfg
         args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma,
                 x.get("hidden_scales"))
-        c = self.check = check_compiled(self.fwd, self.model, self.params, args, self.cuda, self.dist)
-        if c["ran"]:
-            print0(f"train: compiled step vs eager on the first batch: loss {c['loss_compiled']:.5f} vs "
-                   f"{c['loss_eager']:.5f}, gradient error {c['grad_rel_err']:.3g} (lowest cosine "
-                   f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): {'agree' if c['passed'] else 'DISAGREE'}")
-        else:
-            print0(f"train: note: compiled-step check skipped: {c['why']}")
-        if not c["passed"]:
-            print0("train: WARNING: the compiled step disagrees with the eager one at this shape; continuing with the "
-                   "eager step (slower, correct). --no-compile-check skips the check; --compile off skips compilation.")
+        self.check, passed = check_and_report(self.fwd, self.model, self.params, args, self.cuda, self.dist)
+        if not passed:
             self.compiled = False
             self.fwd = self.model.forward_train
-            release_compiled(self.cuda)
 
     def _restore(self, ck: str) -> None:
         st = load_checkpoint(ck, self.model, self.opt, self.dev)
@@ -232,8 +222,9 @@ class Trainer:
     # -- the loop -------------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
         cfg, dist = self.cfg, self.dist
-        done = self.finished()
-        if done is not None:
+        done = finished_run(cfg.out, self.step, self.total_steps)
+        if done is not None:  # a rerun of a finished run: final/ and what was measured on it stay as they are
+            print0(f"train: nothing to do: {cfg.out} finished its {self.total_steps} steps (final/ kept)")
             return done
         logger = init_wandb(cfg, self.resolved, dist.is_main)
         self.metrics.reset()
@@ -286,19 +277,6 @@ class Trainer:
         if dist.is_main:
             atomic_json(os.path.join(cfg.out, "summary.json"), out)
         return out
-
-    def finished(self) -> dict[str, Any] | None:
-        """A rerun of a finished run: its summary as written (final/ and the metrics kept as they are, so whatever
-        was measured on final/ stays valid), else None."""
-        path = os.path.join(self.cfg.out, "summary.json")
-        if self.step < self.total_steps or not (os.path.exists(path) and os.path.isdir(os.path.join(self.cfg.out, "final"))):
-            return None
-        with open(path) as f:
-            out = json.load(f)
-        if out.get("steps") != self.step:
-            return None
-        print0(f"train: nothing to do: {self.cfg.out} finished its {self.total_steps} steps (final/ kept)")
-        return dict(out, steps_this_run=0)
 
     def train_step(self, data, lr: float) -> float:
         """One optimizer step on the device: grad_accum micro-batches (forward, backward, gradients copied or added
