@@ -116,3 +116,18 @@ def test_a_val_cache_that_does_not_fit_is_refused_naming_the_flag(env, tmp_path)
     # a missing one
     code, _, err = cli(*run_args(env, tmp_path / "r3", "--val-cache", tmp_path / "nope"))
     assert code == 2 and "--val-cache" in err and "Traceback" not in err, err
+
+
+def test_an_fp8_val_cache_is_read_as_stored_and_gives_nearly_the_bf16_figures(env, tmp_path):
+    """A quantised held-out cache: the validation takes its bytes and scales (dequantised in the drafter's step,
+    as training does) and measures what the bf16 copy gives, within fp8's rounding."""
+    run = tmp_path / "run"
+    ok(*run_args(env, run))
+    fp8 = tmp_path / "val-fp8"
+    dflash("extract", "--target", env["target"], "--data", env["root"] / "held.jsonl", "--out", fp8, "--seq-len", SEQ,
+           "--rows-per-shard", 8, "--hidden-dtype", "fp8")
+    bf = measure(env, run / "final", "split")
+    q = measure(dict(env, val=fp8), run / "final", "split")
+    assert q["val_blocks"] == bf["val_blocks"] and q["val_loss"] != bf["val_loss"]
+    assert q["val_loss"] == pytest.approx(bf["val_loss"], rel=0.02)
+    assert q["val_tau_expected"] == pytest.approx(bf["val_tau_expected"], abs=0.05)
