@@ -33,13 +33,12 @@ weights `layers.N.*`, `norm`, `fc`, `hidden_norm`); the embedding and LM head st
 
 This file is the model: its config, its layers and the drafter's two forwards (training over packed blocks,
 drafting one block after a cached context), both through one decoder-layer forward. Around it:
-train/blocks.py (anchors, blocks, attention masks), train/attention.py (the split attention kernel),
+train/blocks.py (anchors, blocks, attention masks), train/attention.py (the split attention kernel), train/rope.py,
 train/loss.py (the objective and its metrics), train/checkpoint.py (save/load in the servable layout).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -52,6 +51,7 @@ from dflash.core.layers import default_layer_ids
 from dflash.train.attention import split_block_attention, split_mask
 from dflash.train.blocks import Blocks, attend, dense_block_mask, flex_block_mask, make_blocks_opaque
 from dflash.train.loss import chunked_block_loss
+from dflash.train.rope import _rope_of, apply_rope, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -161,20 +161,8 @@ class DrafterConfig:
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
-def _rope_of(c) -> dict:
-    """RoPE settings of an HF config, for transformers 4.x (rope_theta/rope_scaling) and 5.x (rope_parameters)."""
-    rp = getattr(c, "rope_parameters", None)
-    if isinstance(rp, dict) and "rope_theta" in rp:
-        return dict(rp)
-    out = {"rope_theta": getattr(c, "rope_theta", 10000.0)}
-    rs = getattr(c, "rope_scaling", None)
-    if isinstance(rs, dict):
-        out.update(rs)
-    return out
-
-
 # --------------------------------------------------------------------------------------------
-# Building blocks (Qwen3 numerics: norms in float32, RoPE with rotate-half)
+# Building blocks (Qwen3 numerics: norms in float32; RoPE with rotate-half in train/rope.py)
 # --------------------------------------------------------------------------------------------
 
 
@@ -189,45 +177,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
-
-
-def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = cfg.rope_scaling or {}
-    kind = rs.get("rope_type", rs.get("type", "default"))
-    if kind == "default":
-        pass
-    elif kind == "linear":
-        inv = inv / rs["factor"]
-    elif kind == "llama3":
-        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
-        old = rs["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv
-        smooth = ((old / wavelen) - lo) / (hi - lo)
-        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
-        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
-        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
-    else:
-        raise DrafterError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3)")
-    return inv.float()
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """positions [..., L] -> cos, sin [..., L, head_dim] (float32 math, then cast)."""
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [b, heads, L, d]; cos/sin [b, L, d]."""
-    return x * cos[:, None] + rotate_half(x) * sin[:, None]
 
 
 class MLP(nn.Module):
