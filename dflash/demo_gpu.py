@@ -6,16 +6,20 @@ into the same workdir:
 
     prepare target (bundled GGUF -> bf16 folder)
     -> data: chitchat conversations split by conversation (a hash of its id: heldout_percent held out);
-       each training conversation becomes ONE multi-turn `messages` sample (turns alternate user /
-       assistant, the first turn is the user's), cut to max_turns messages, ending on an assistant turn;
-       the eval prompts are held-out histories up to a user turn, at varied turn positions
-    -> regenerate every assistant turn with the target (large batch, turn by turn: each turn sees the
-       target's own earlier answers)
-    -> extract the hidden states -> train (compiled CUDA-graph step)
+       history "target": each training conversation becomes ONE multi-turn `messages` sample (turns alternate
+       user / assistant, the first turn is the user's), cut to max_turns messages, ending on an assistant turn,
+       every answer regenerated after the target's own earlier ones; history "dataset": one sample per answered
+       user turn, the history as chitchat has it, only its answer regenerated (`regenerate --turns last`, the
+       kept answers marked weight 0: context, not trained on). The eval prompts are held-out histories up to a
+       user turn, at varied turn positions; the held-out conversations, cut the same way, make the validation set
+    -> regenerate the answers with the target (large batch)
+    -> extract the hidden states (and the validation set's, for train's --val-cache) -> train (compiled CUDA-graph
+       step, held-out loss and expected tau at every checkpoint)
     -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
 
-Workdir layout: target/, data/{train,heldout}.jsonl + data/split.json, regenerated/, cache/, run/,
-eval-bfloat16.json, eval-float32.json, summary.json (the JSON summary, with the bars checked).
+Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json, regenerated/, regenerated-valid/,
+cache/, cache-valid/, run/, eval-bfloat16.json, eval-float32.json, summary.json (the JSON summary, with the bars
+checked).
 """
 
 from __future__ import annotations
