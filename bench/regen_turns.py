@@ -54,13 +54,15 @@ def main(argv=None) -> dict:
     samples = samples[: a.conversations]
     data = os.path.join(work, "chats.jsonl")
     atomic_jsonl(data, [{"messages": s} for s in samples], ensure_ascii=False)
-    runs = [r.strip() for r in a.runs.split(",") if r.strip()]
-    for r in runs:
-        if r.split("-p")[0] not in ("on", "off") or ("-p" in r and not r.split("-p")[1].isdigit()):
+    runs, modes = [r.strip() for r in a.runs.split(",") if r.strip()], {}
+    for r in runs:  # run -> (--continue-turns, --prefill-tokens)
+        mode, _, prefill = r.partition("-p")
+        if mode not in ("on", "off") or (prefill and not prefill.isdigit()):
             ap.error(f"--runs: {r!r} is not on|off[-pN]")
+        modes[r] = (mode == "on", int(prefill or 0))
     out, texts = {}, {}
     for run in runs:
-        on, prefill = run.split("-p")[0] == "on", int(run.split("-p")[1]) if "-p" in run else 0
+        on, prefill = modes[run]
         d = os.path.join(work, run)
         shutil.rmtree(d, ignore_errors=True)
         s = run_regenerate(RegenerateConfig(target=a.target, data=data, out=d, max_new_tokens=a.max_new_tokens,

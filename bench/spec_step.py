@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.draft_step import drafter  # noqa: E402
 from dflash.train.decode import NgramProposer, NoDraft, speculative  # noqa: E402
 from dflash.train.drafting import DFlashProposer  # noqa: E402
-from dflash.train.verify import Target  # noqa: E402
+from dflash.train.verify import Target, crop_cache  # noqa: E402
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 
@@ -101,7 +101,7 @@ def count_ops(args, device, dtype) -> list[dict]:
             ops = [e for e in prof.events() if e.name.startswith("aten::")
                    and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::"))]
             out.append({"attention": t.attention, "tokens": q, "host_ops": len(ops)})
-            t.cache.crop(-q)
+            crop_cache(t.cache, args.prompt_len)
     return out
 
 

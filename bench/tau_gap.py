@@ -65,21 +65,13 @@ def main() -> None:
     import torch
 
     from dflash.core.chat import eos_ids_of
-    from dflash.core.target import load_causal_lm, load_tokenizer
-    from dflash.train.checkpoint import load_drafter
     from dflash.train.decode import speculative
     from dflash.train.drafting import DFlashProposer
-    from dflash.train.eval import EvalConfig, load_prompts
-    from dflash.train.verify import Target
+    from dflash.train.eval import EvalConfig, load_for_decoding, load_prompts
 
-    dtype = getattr(torch, a.dtype)
-    dev = torch.device(a.device)
-    tok = load_tokenizer(a.target)
-    model = load_causal_lm(a.target, dtype=dtype, device=dev)
-    drafter = load_drafter(a.drafter, dtype=dtype, device=dev)
-    drafter.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    drafter.eval()
-    target = Target(model, drafter.cfg.target_layer_ids)
+    tok, model, drafter, target = load_for_decoding(a.target, a.drafter, getattr(torch, a.dtype),
+                                                    torch.device(a.device))
+    dev = target.device
     cfg = EvalConfig(target=a.target, drafter=a.drafter, data=a.prompts, max_prompts=a.n, max_new_tokens=a.max_new)
     prompts = load_prompts(cfg, tok)
     eos = eos_ids_of(model, tok)
@@ -101,7 +93,8 @@ def main() -> None:
             every = forced_accepts(drafter, hidden, full, list(range(len(prompt), limit - 1)), limit)
         real = [x - 1 for x in res.accept_lengths]
         # the last decoding step may be cut by max_new or end at EOS: compare the steps whose block lies inside
-        agree = sum(int(r == s or (r >= s and anchors[k] + s + 1 >= limit - 1)) for k, (r, s) in enumerate(zip(real, same)))
+        agree = sum(int(r == s or (r >= s and anchors[k] + s + 1 >= limit - 1))
+                    for k, (r, s) in enumerate(zip(real, same)))
         row = {"prompt": i, "prompt_tokens": len(prompt), "new_tokens": len(gen), "steps": len(real),
                "real_tau": 1 + sum(real) / len(real), "forced_tau_same_anchors": 1 + sum(same) / len(same),
                "forced_tau_all_anchors": 1 + sum(every) / max(1, len(every)), "steps_agreeing": agree,
@@ -111,7 +104,8 @@ def main() -> None:
               f"forced at the same anchors {row['forced_tau_same_anchors']:.2f} ({agree}/{len(real)} steps agree), "
               f"forced at every position {row['forced_tau_all_anchors']:.2f}", flush=True)
     tot = lambda k: sum(r[k] * r["steps"] for r in rows) / sum(r["steps"] for r in rows)  # noqa: E731
-    summary = {"prompts": len(rows), "real_tau": tot("real_tau"), "forced_tau_same_anchors": tot("forced_tau_same_anchors"),
+    summary = {"prompts": len(rows), "real_tau": tot("real_tau"),
+               "forced_tau_same_anchors": tot("forced_tau_same_anchors"),
                "forced_tau_all_anchors": sum(r["forced_tau_all_anchors"] for r in rows) / len(rows),
                "steps_agreeing": sum(r["steps_agreeing"] for r in rows), "steps": sum(r["steps"] for r in rows)}
     print(json.dumps(summary, indent=1))

@@ -69,7 +69,6 @@ from .regen_out import (  # noqa: F401  (META_NAME, part_name: importable from h
 from .slab import check_attention_only, slab_cache  # noqa: F401  (slab_cache: re-exported as before)
 
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # configuration
 
@@ -132,8 +131,6 @@ class RegenerateConfig:
             **({"continue_turns": True} if self.continue_turns else {}),  # absent when off: older outputs resume
             **({"turns": self.turns} if self.turns != "all" else {}),
         }
-
-
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -92,13 +92,12 @@ def _dynamic_layer_cls():
         @staticmethod
         def stack(layers: list[SlabLayer], width: int) -> tuple[torch.Tensor, torch.Tensor]:
             """Buffers holding each layer's rows in turn, each right-aligned to `width` columns, zeros on the left."""
-            first = layers[0].kbuf
             rows = sum(x.kbuf.shape[0] for x in layers)
             cap = width + max(64, width // 4)
             out = []
             for name in ("kbuf", "vbuf"):
                 src0 = getattr(layers[0], name)
-                buf = src0.new_empty(rows, first.shape[1], cap, src0.shape[3])
+                buf = src0.new_empty(rows, src0.shape[1], cap, src0.shape[3])
                 lo = 0
                 for x in layers:
                     src, n = getattr(x, name), x.n
@@ -227,7 +226,7 @@ def plan_engine(cfg_hf, dtype, device: torch.device, batch_size=0, max_batch_tok
         else:
             budget = 4 << 30
         # A slab holds 25% more columns than its width, and a refill stacks its prefilled slabs beside the old
-        # one into a new slab before the old ones are freed: the peak is ~2.5x the budgeted tokens (the H200 ran out of memory at
-        # batch 1024 with 2,600-token histories when this was 1x).
+        # one into a new slab before the old ones are freed: the peak is ~2.5x the budgeted tokens (the H200 ran
+        # out of memory at batch 1024 with 2,600-token histories when this was 1x).
         max_batch_tokens = max(budget * 2 // (5 * per), 4096)
     return batch, int(max_batch_tokens), prefill

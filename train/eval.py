@@ -22,6 +22,8 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check
@@ -179,16 +181,22 @@ def plot_acceptance(path: str, results: list[dict], block_size: int) -> None:
     plt.close(fig)
 
 
+def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, dev: torch.device):
+    """(tokenizer, HF model, drafter on the target's embedding and LM head, Target capturing the drafter's layers):
+    what speculative decoding needs (run_eval, bench/tau_gap.py)."""
+    tok = load_tokenizer(target_path)
+    model = load_causal_lm(target_path, device=dev, dtype=dtype)
+    drafter = load_drafter(drafter_path, dtype=dtype, device=dev)
+    drafter.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+    drafter.eval()
+    return tok, model, drafter, Target(model, drafter.cfg.target_layer_ids)
+
+
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
 
     dev = compute_init(cfg.device).device
     dtype = resolve_dtype(cfg.dtype, dev)
-    tok = load_tokenizer(cfg.target)
-    model = load_causal_lm(cfg.target, device=dev, dtype=dtype)
-    drafter = load_drafter(cfg.drafter, dtype=dtype, device=dev)
-    drafter.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
-    drafter.eval()
-    target = Target(model, drafter.cfg.target_layer_ids)
+    tok, model, drafter, target = load_for_decoding(cfg.target, cfg.drafter, dtype, dev)
     prompts = load_prompts(cfg, tok)
     eos = eos_ids_of(model, tok) if cfg.stop_at_eos else set()
     B = drafter.cfg.block_size
