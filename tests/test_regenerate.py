@@ -329,6 +329,7 @@ def test_structure_is_kept_and_turns_see_the_targets_own_answers(tiny, model, tm
     assert c["rows"] == 10 and c["conversations"] == 9 and c["skipped_no_user_turn"] == 1 and c["turns"] == n_turns
     assert c["truncated"] <= n_turns and c["generated_tokens"] <= 12 * n_turns
     assert meta["target"]["name_or_path"] == os.path.abspath(tiny) and meta["settings"]["max_new_tokens"] == 12
+    assert "Only the last assistant turn" not in (out / "README.md").read_text()  # every answer is the target's
 
     # readable by extract's loader, by `datasets` from the folder (dataset card) and from the part files
     import datasets
@@ -506,6 +507,7 @@ def test_turns_last_answers_the_datas_own_history_and_extract_trains_on_that_ans
     out = tmp_path / "out"
     summary = run_regenerate(_cfg(tiny, data, out, turns="last"))
     assert summary["counts"]["turns"] == 3 and read_meta(str(out))["settings"]["turns"] == "last"
+    assert "Only the last assistant turn of each row is the target's" in (out / "README.md").read_text()
     got = {r["source_row"]: r["messages"] for r in _read_parts(out)}
     tok = load_tokenizer(tiny)
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
