@@ -12,6 +12,11 @@ expected tau). Three figures per prompt:
   forced tau, all anchors  the mean over every position of the output (uniform anchors, as in training)
 
     python bench/tau_gap.py --target W/target --drafter W/run/final --prompts W/data/heldout.jsonl --n 8
+
+--conversations DATA (a regenerated dataset, e.g. `dflash regenerate`'s output) instead measures the training
+text itself, per assistant turn of each conversation (tokenised as `dflash extract` does): the forced tau over
+the turn's positions, and the share of its 4-grams that already occur earlier in the conversation (how much of
+the answer repeats what came before).
 """
 
 from __future__ import annotations
@@ -50,17 +55,65 @@ def forced_accepts(drafter, ctx_hidden, full: list[int], anchors: list[int], lim
     return out
 
 
+def per_turn(a, tok, drafter, target) -> None:
+    """Forced tau and 4-gram repetition per assistant turn of the first --n conversations of --conversations."""
+    import torch
+
+    from dflash.core.chat import load_chat_dataset, row_messages
+    from dflash.extract.data import ChatTokenizer
+
+    chat = ChatTokenizer(tok)
+    ds = load_chat_dataset(a.conversations)
+    turns: dict[int, list[tuple[float, float]]] = {}
+    for r in range(min(a.n, len(ds))):
+        ids, mask = chat.encode(row_messages(ds[r], r, a.conversations))
+        ids, mask = ids[: a.max_len], mask[: a.max_len]
+        runs, t = [], 0  # [start, end) of each supervised run: one assistant turn each
+        while t < len(mask):
+            if mask[t]:
+                e = t
+                while e < len(mask) and mask[e]:
+                    e += 1
+                runs.append((t, e))
+                t = e
+            else:
+                t += 1
+        with torch.inference_mode():
+            target.reset()
+            _, hidden = target.forward(torch.tensor([ids], device=target.device), 0, hidden=True)
+            for k, (lo, hi) in enumerate(runs):
+                if hi - lo < 2:
+                    continue
+                acc = forced_accepts(drafter, hidden, ids, list(range(lo, hi - 1)), hi)
+                seen = {tuple(ids[j:j + 4]) for j in range(max(0, lo - 3))}
+                grams = [tuple(ids[j:j + 4]) for j in range(lo, hi - 3)]
+                rep = sum(g in seen for g in grams) / max(1, len(grams))
+                turns.setdefault(k + 1, []).append((1 + sum(acc) / len(acc), rep))
+    rows = {k: {"conversations": len(v), "forced_tau": sum(x[0] for x in v) / len(v),
+                "repeated_4grams": sum(x[1] for x in v) / len(v)} for k, v in sorted(turns.items())}
+    for k, v in rows.items():
+        print(f"assistant turn {k}: {v['conversations']} conversations, forced tau {v['forced_tau']:.2f}, "
+              f"4-grams already earlier in the conversation {v['repeated_4grams']:.0%}", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"per_turn": rows}, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", required=True)
     ap.add_argument("--drafter", required=True)
-    ap.add_argument("--prompts", required=True, help="jsonl of {messages} (the eval's prompt file)")
+    ap.add_argument("--prompts", help="jsonl of {messages} (the eval's prompt file)")
+    ap.add_argument("--conversations", help="a regenerated dataset: measure its turns instead of decoding prompts")
+    ap.add_argument("--max-len", type=int, default=2048, help="--conversations: tokens kept per conversation")
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     ap.add_argument("--json")
     a = ap.parse_args()
+    if bool(a.prompts) == bool(a.conversations):
+        ap.error("give one of --prompts and --conversations")
 
     import torch
 
@@ -72,6 +125,8 @@ def main() -> None:
     tok, model, drafter, target = load_for_decoding(a.target, a.drafter, getattr(torch, a.dtype),
                                                     torch.device(a.device))
     dev = target.device
+    if a.conversations:
+        return per_turn(a, tok, drafter, target)
     cfg = EvalConfig(target=a.target, drafter=a.drafter, data=a.prompts, max_prompts=a.n, max_new_tokens=a.max_new)
     prompts = load_prompts(cfg, tok)
     eos = eos_ids_of(model, tok)
