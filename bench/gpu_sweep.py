@@ -51,12 +51,13 @@ def _save(path: str, obj) -> None:
 
 
 def point(ev: dict | None, train: dict, block: int, layers: int, steps: int, seconds: dict) -> dict:
-    """A sweep point: the eval's figures (None with --eval-prompts 0) and the run's held-out expected tau (its
-    --val-cache), step time and data wait."""
+    """A sweep point: the eval's figures (None with --eval-prompts 0) and the run's held-out decoding and expected
+    tau (its --val-cache), step time and data wait."""
     hist = train.get("history") or [{}]
     steady = hist[1:] or hist
     out = {"block": block, "layers": layers, "steps": steps, "final_loss": hist[-1].get("loss"),
            "tau_expected": hist[-1].get("tau_expected"), "val_tau": (train.get("val") or {}).get("val_tau_expected"),
+           "val_tau_decode": (train.get("val") or {}).get("val_tau_decode"),
            "step_ms": sorted(h.get("step_ms", 0) for h in steady)[len(steady) // 2],
            "data_wait": train.get("data_wait_frac"), "seconds": seconds}
     if ev is None:
@@ -73,14 +74,14 @@ def point(ev: dict | None, train: dict, block: int, layers: int, steps: int, sec
 
 
 def table(rows: list[dict]) -> str:
-    head = ["cache", "seed", "block", "layers", "steps", "held-out exp. tau", "tau", "n-gram tau", "target tok/s",
+    head = ["cache", "seed", "block", "layers", "steps", "held-out dec. tau", "held-out exp. tau", "tau", "n-gram tau", "target tok/s",
             "dflash tok/s", "n-gram tok/s", "speed-up", "draft+verify ms", "identical", "step ms", "data wait", "train s"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     f = lambda v, fmt: "-" if v is None else format(v, fmt)  # noqa: E731
-    for r in sorted(rows, key=lambda r: (-(r.get("speedup") or 0), -(r.get("val_tau") or 0))):
+    for r in sorted(rows, key=lambda r: (-(r.get("speedup") or 0), -(r.get("val_tau_decode") or r.get("val_tau") or 0))):
         lines.append("| " + " | ".join([
             r.get("hidden_dtype", "bf16"), str(r.get("seed", 0)), str(r["block"]), str(r["layers"]), str(r["steps"]),
-            f(r.get("val_tau"), ".2f"), f(r.get("tau"), ".2f"), f(r.get("tau_ngram"), ".2f"), f(r.get("target_tok_s"), ".0f"),
+            f(r.get("val_tau_decode"), ".2f"), f(r.get("val_tau"), ".2f"), f(r.get("tau"), ".2f"), f(r.get("tau_ngram"), ".2f"), f(r.get("target_tok_s"), ".0f"),
             f(r.get("dflash_tok_s"), ".0f"), f(r.get("ngram_tok_s"), ".0f"),
             f(r.get("speedup"), ".2f") + ("x" if r.get("speedup") else ""),
             f"{r['draft_ms']:.1f}+{r['verify_ms']:.1f}" if r.get("draft_ms") is not None else "-",
@@ -145,7 +146,7 @@ def sweep(a, prep) -> dict:
         _save(res_path, results)
         r = results[key]
         f = lambda v, fmt=".2f": "-" if v is None else format(v, fmt)  # noqa: E731
-        print(f"sweep: {key}: held-out expected tau {f(r['val_tau'])}, tau {f(r.get('tau'))}, speed-up "
+        print(f"sweep: {key}: held-out decoding tau {f(r.get('val_tau_decode'))}, expected {f(r['val_tau'])}, tau {f(r.get('tau'))}, speed-up "
               f"{f(r.get('speedup'))}, step {r['step_ms']:.1f} ms, data wait {f(r['data_wait'], '.1%')}, "
               f"{seconds['total']:.0f} s", flush=True)
     wanted = {point_name(b, n, s, a.hidden_dtype, sd) + tag for b, n, s, sd in points}

@@ -202,9 +202,13 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--grad-clip", type=float, help="Gradient-norm clip.")
 @option("--mask-token-id", type=int, help="Mask token id.", default_text="an unused id of the target's vocabulary")
 @option("--seed", type=int, help="Seed for init, data order and anchors.")
-@option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss and "
-        "expected tau at every checkpoint and at the end, in metrics.jsonl and summary.json.", default_text="none")
+@option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss, "
+        "decoding tau (greedy speculative decoding simulated along each held-out answer, what `dflash eval` measures "
+        "on answers the target wrote) and expected tau at every checkpoint and at the end, in metrics.jsonl and "
+        "summary.json.", default_text="none")
 @option("--val-rows", type=int, help="Rows of --val-cache per validation (0 = all).")
+@option("--val-max-new-tokens", type=int, help="The decoding tau stops each held-out answer after this many tokens, "
+        "as `dflash eval --max-new-tokens` does (0 = whole answers).")
 @option("--compile", type=click.Choice(["auto", "on", "off"]), help="Compiled CUDA-graph step (off = eager).", default_text="on for GPU, off for CPU")
 @option("--compile-check/--no-compile-check", default=None,
         help="Before training, compare the compiled step's loss and gradients on the first batch with the eager "

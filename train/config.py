@@ -44,6 +44,7 @@ class TrainConfig:
     # held-out validation (train/validate.py): at every checkpoint and at the end
     val_cache: str | None = None
     val_rows: int = 64
+    val_max_new_tokens: int = 0  # the decoding tau walks each held-out answer up to this many tokens (0 = all of it)
     # execution
     device: str = "auto"
     param_dtype: str = "auto"  # bfloat16 on GPU (as the peers), float32 on CPU
@@ -85,6 +86,8 @@ class TrainConfig:
         check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.loader_threads >= 1, "loader_threads", f"must be >= 1 (threads that decode the cache), got {self.loader_threads}")
+        check(self.val_max_new_tokens >= 0, "val_max_new_tokens",
+              f"must be >= 0 (0 = whole answers), got {self.val_max_new_tokens}")
         check(self.val_rows >= 0, "val_rows", f"must be >= 0 (0 = every row of --val-cache), got {self.val_rows}")
         check(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")

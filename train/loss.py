@@ -4,7 +4,8 @@ Slot k (k >= 1) of a block predicts the token at anchor+k with weight exp(-(k-1)
 anchor's document or not supervised weigh 0; the loss is the weighted sum over the normalised weights.
 `chunked_block_loss` computes it from the drafter's normalised slot outputs without ever holding the
 [slots, vocab] logits (`_LinearCrossEntropy`); `block_loss` is the reference form from full logits.
-Metrics (per-slot accuracy, expected acceptance length tau, block and weight counts) are tensors: no host sync.
+Metrics (per-slot accuracy, expected acceptance length tau, block and weight counts, the drafts accepted at
+each anchor) are tensors: no host sync.
 """
 
 from __future__ import annotations
@@ -98,6 +99,7 @@ def block_metrics(pred: torch.Tensor, blocks: Blocks, loss: torch.Tensor, denom:
         accepted = torch.cumprod(correct.float(), dim=-1).sum(-1)
         av = blocks.anchor_valid.float()
         n_blocks = av.sum()
-        tau = 1 + (accepted * av).sum() / n_blocks.clamp(min=1)
+        accepted = accepted * av  # [R, N]: drafts accepted at each anchor (0 for an invalid anchor)
+        tau = 1 + accepted.sum() / n_blocks.clamp(min=1)
     return {"loss": loss.detach(), "slot_acc": slot_acc, "slot_count": slot_valid, "tau": tau,
-            "blocks": n_blocks, "weight": denom.detach()}
+            "blocks": n_blocks, "weight": denom.detach(), "accepted": accepted}

@@ -102,7 +102,7 @@ class Trainer:
             from .validate import Validator
 
             self.validator = Validator(cfg.val_cache, cache, expect, cfg.val_rows, cfg.batch_rows, cfg.num_anchors,
-                                       cfg.gamma, dev, cfg.loader_threads)
+                                       cfg.gamma, dev, cfg.loader_threads, cfg.val_max_new_tokens)
         tok = load_tokenizer(cfg.target)
         mask_id = resolve_mask_token_id(tok, tc.vocab_size, cfg.mask_token_id)
         self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.layer_ids,
@@ -378,9 +378,9 @@ class Trainer:
             bar.set_postfix(loss=f"{rec['loss']:.3f}", tau=f"{rec['tau_expected']:.2f}",
                             tok_s=f"{rec['ctx_tokens_per_s']:,.0f}", refresh=False)
             if val:
-                print0(f"train: step {self.step}: held-out loss {val['val_loss']:.4f}, expected tau "
-                       f"{val['val_tau_expected']:.2f} ({val['val_rows']} rows of --val-cache; training rows: "
-                       f"{rec['tau_expected']:.2f})")
+                print0(f"train: step {self.step}: held-out loss {val['val_loss']:.4f}, decoding tau "
+                       f"{val['val_tau_decode']:.2f}, expected tau {val['val_tau_expected']:.2f} ({val['val_rows']} "
+                       f"rows of --val-cache; training rows: expected tau {rec['tau_expected']:.2f})")
             logger.log({k: v for k, v in rec.items() if k not in ("slot_acc", "val_slot_acc")} |
                        {f"slot_acc/{i + 1}": a for i, a in enumerate(rec["slot_acc"])}, step=self.step)
             with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
@@ -422,7 +422,7 @@ def _run_train(cfg: TrainConfig) -> dict[str, Any]:
         if out["val"]:
             v = out["val"]
             print0(f"train: held-out (--val-cache, {v['val_rows']} rows, step {v['step']}): loss {v['val_loss']:.4f}, "
-                   f"expected tau {v['val_tau_expected']:.2f}")
+                   f"decoding tau {v['val_tau_decode']:.2f}, expected tau {v['val_tau_expected']:.2f}")
     return out
 
 

@@ -1,37 +1,42 @@
-"""Held-out validation for `dflash train --val-cache`: the training objective on rows the drafter never trains on.
+"""Held-out validation for `dflash train --val-cache`: the drafter on rows it never trains on, as decoding sees it.
 
-A drafter learns its training rows by heart long before it stops improving on new text (the GPU recipe's drafter
-expects tau 9.3 on its own rows and 6.5 on held-out ones). What users need to watch is the held-out figure, and
-real speculative decoding (`dflash eval`) is too slow to run during training. The figure predicts eval's tau when
-the held-out text is like the eval's: speculative decoding accepts what the teacher-forced draft accepts
-(bench/tau_gap.py), but the GPU recipe's held-out conversations, regenerated after the target's own answers, are
-mostly the target repeating itself, and its eval gets 2.2 on fresh answers (BENCHMARKS, GPU recipe, fourth run). The validation reads a
-second cache, extracted from held-out conversations by the same target and layers, and computes on it what the
-training step computes: the weighted block loss, the per-slot accuracy and the expected acceptance length tau
-(1 + the mean over blocks of the longest correct prefix, what greedy verification accepts).
+A drafter learns its training rows by heart long before it stops improving on new text, and real speculative
+decoding (`dflash eval`) is too slow to run during training. The validation reads a second cache, extracted from
+held-out conversations by the same target and layers, drafts a block at EVERY position that can anchor one (each
+block sees the context before its anchor and itself, never another block: so drafting them all at once is
+drafting them one by one), and reports:
+  * val_tau_decode: greedy speculative decoding simulated along each held-out answer: the answer's first token
+    comes from the prompt's forward, then every step drafts after the last token, accepts the longest correct
+    prefix of the draft and adds the target's bonus token (decode_walk). Speculative decoding accepts exactly
+    what the teacher-forced draft accepts at the same anchor (bench/tau_gap.py: 71 of 71 steps), so on answers
+    the target itself wrote (regenerated, greedy) this is what `dflash eval` would measure on those prompts;
+  * val_tau_expected: the training step's figure, 1 + the mean over ALL anchors of the longest correct prefix.
+    It weighs every position alike, where decoding passes through easy stretches in a few long steps and spends
+    many short steps on hard ones, so it overstates tau wherever a text mixes the two (the GPU recipe's drafter:
+    7.45 here against eval's 2.98, BENCHMARKS, GPU recipe, fifth run);
+  * the weighted block loss and the per-slot accuracy, as the training step computes them.
 
-It runs at every checkpoint and at the end (rank 0; the other ranks wait), eager and without gradients. On a GPU
-the drafter's flex attention is swapped for the exact split attention for the duration (train/attention.py: the
-same masks, no compilation and no dense score matrix). The anchors are fixed (a seed per batch), so every
-validation of a run, and of every run, measures the same blocks.
+It runs at every checkpoint and at the end (rank 0; the other ranks wait), eager and without gradients, with as
+many blocks per forward as a training step has. On a GPU the drafter's flex attention is swapped for the exact
+split attention for the duration (train/attention.py: the same masks, no compilation and no dense score matrix).
+Nothing is random: every validation of a run, and of every run, measures the same blocks.
 """
 
 from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 import dflash_cache
 
 from .config import TrainError
 
-VAL_SEED = 20_261_201  # fixed: every validation of every run draws the same anchors
-
 
 class Validator:
     def __init__(self, path: str, train_cache, expect: dict, rows: int, batch_rows: int, num_anchors: int,
-                 gamma: float, device: torch.device, threads: int = 4):
+                 gamma: float, device: torch.device, threads: int = 4, max_new_tokens: int = 0):
         try:
             self.cache = dflash_cache.open(path, expect=expect, threads=threads)
         except dflash_cache.CacheMismatchError as e:
@@ -50,36 +55,90 @@ class Validator:
         self.rows = min(rows, len(c)) if rows else len(c)
         self.batch_rows = max(1, min(batch_rows, self.rows))
         self.num_anchors, self.gamma, self.dev = num_anchors, gamma, device
+        self.max_new_tokens = max_new_tokens
 
     def __call__(self, model) -> dict:
-        """Loss, expected tau and per-slot accuracy over the first `rows` rows (weighted by blocks and labels)."""
+        """Loss, expected and decoding tau and per-slot accuracy over the first `rows` rows, a block at every
+        position that can anchor one (weighted by blocks and labels)."""
         t0 = time.perf_counter()
         impl = model.attn_impl
         if impl == "flex":
             model.attn_impl = "split"
-        gen = torch.Generator(device=self.dev)
+        budget = self.batch_rows * self.num_anchors  # blocks per forward: the training step's
         loss_w = w_sum = tau_b = blocks = 0.0
+        walk = [0, 0]  # tokens, steps of the simulated decoding
         hits = count = None
         try:
             with torch.no_grad():
-                for b, lo in enumerate(range(0, self.rows, self.batch_rows)):
+                for lo in range(0, self.rows, self.batch_rows):
                     idx = list(range(lo, min(lo + self.batch_rows, self.rows)))
                     x = {k: v.to(self.dev) for k, v in self.cache.read_rows(idx, check=True, raw=True).items()}
-                    gen.manual_seed(VAL_SEED + b)
-                    scores = torch.rand(len(idx), self.cache.seq_len, generator=gen, device=self.dev)
-                    _, met = model.forward_train(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
-                                                 self.num_anchors, self.gamma, x.get("hidden_scales"))
-                    w, nb = float(met["weight"]), float(met["blocks"])
-                    loss_w += float(met["loss"]) * w
-                    w_sum += w
-                    tau_b += (float(met["tau"]) - 1.0) * nb
-                    blocks += nb
-                    h = (met["slot_acc"] * met["slot_count"]).double().cpu()
-                    n = met["slot_count"].double().cpu()
-                    hits, count = (h, n) if hits is None else (hits + h, count + n)
+                    valid = anchor_positions(x["loss_mask"], x["doc_ids"])
+                    n = int(valid.sum(1).max())
+                    if n == 0:
+                        continue
+                    per = max(1, budget // n)  # rows per forward
+                    for a in range(0, len(idx), per):
+                        part = {k: v[a:a + per] for k, v in x.items()}
+                        bl, masks = model.prepare(part["input_ids"], part["loss_mask"], part["doc_ids"],
+                                                  valid[a:a + per].float(), n)
+                        _, met = model.forward_blocks(part["hidden"], bl, masks, self.gamma, part.get("hidden_scales"))
+                        w, nb = float(met["weight"]), float(met["blocks"])
+                        loss_w += float(met["loss"]) * w
+                        w_sum += w
+                        tau_b += (float(met["tau"]) - 1.0) * nb
+                        blocks += nb
+                        h = (met["slot_acc"] * met["slot_count"]).double().cpu()
+                        c = met["slot_count"].double().cpu()
+                        hits, count = (h, c) if hits is None else (hits + h, count + c)
+                        acc = torch.zeros_like(part["doc_ids"], dtype=torch.long)
+                        acc.scatter_(1, bl.anchors, met["accepted"].round().long() * bl.anchor_valid)
+                        for r in range(acc.shape[0]):
+                            t, st = decode_walk(acc[r].cpu().numpy(), part["loss_mask"][r].cpu().numpy(),
+                                                part["doc_ids"][r].cpu().numpy(), self.max_new_tokens)
+                            walk[0] += t
+                            walk[1] += st
         finally:
             model.attn_impl = impl
         return {"val_loss": loss_w / w_sum if w_sum else float("nan"),
                 "val_tau_expected": 1.0 + tau_b / blocks if blocks else 1.0,
+                "val_tau_decode": walk[0] / walk[1] if walk[1] else 1.0,
                 "val_slot_acc": (hits / count.clamp(min=1)).tolist() if hits is not None else [],
                 "val_rows": self.rows, "val_blocks": int(blocks), "val_s": time.perf_counter() - t0}
+
+
+def anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[R, T] bool: the positions make_blocks may anchor a block at (t and t+1 supervised, one real document)."""
+    lm = loss_mask.bool()
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+    return valid
+
+
+def decode_walk(accepted: np.ndarray, loss_mask: np.ndarray, doc_ids: np.ndarray,
+                max_new_tokens: int = 0) -> tuple[int, int]:
+    """Greedy speculative decoding simulated along one row's supervised spans (each a run of supervised tokens
+    of one document: an answer): its first token comes from the prompt's forward, then every step drafts after
+    the last token p, accepts accepted[p] drafts and adds the target's bonus token, until the span's last
+    token, or until max_new_tokens tokens of the answer are out (0: no limit; the last step counts in full, as
+    in `dflash eval`). Returns (tokens produced by the steps, steps); tokens / steps is what `dflash eval` calls
+    tau."""
+    sup = (loss_mask > 0) & (doc_ids > 0)
+    tokens = steps = 0
+    T = len(sup)
+    s = 0
+    while s < T:
+        if not sup[s]:
+            s += 1
+            continue
+        e = s
+        while e < T and sup[e] and doc_ids[e] == doc_ids[s]:
+            e += 1
+        p = s
+        while p < e - 1 and (not max_new_tokens or p - s + 1 < max_new_tokens):
+            n = int(accepted[p]) + 1
+            tokens += n
+            steps += 1
+            p += n
+        s = e
+    return tokens, steps
