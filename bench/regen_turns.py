@@ -50,7 +50,7 @@ def main(argv=None) -> dict:
     os.makedirs(work, exist_ok=True)
     with open(chitchat_json()) as f:
         raw = json.load(f)
-    samples = split_data(raw, GpuRecipe(max_turns=a.max_turns, eval_prompts=1))[0]
+    samples = split_data(raw, GpuRecipe(max_turns=a.max_turns, eval_prompts=1, history="target"))[0]
     samples = samples[: a.conversations]
     data = os.path.join(work, "chats.jsonl")
     atomic_jsonl(data, [{"messages": s} for s in samples], ensure_ascii=False)

@@ -19,7 +19,7 @@ into the same workdir:
 
 Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json, regenerated/, regenerated-valid/,
 cache/, cache-valid/, run/, eval-bfloat16.json, eval-float32.json, summary.json (the JSON summary, with the bars
-checked).
+checked), time.json (the wall time of every run on the workdir: the time from nothing across resumes).
 """
 
 from __future__ import annotations
@@ -57,9 +57,9 @@ class GpuRecipe:
     # --turns last): the target answering real conversations, as in the eval prompts; "target": one sample per
     # conversation, every answer regenerated after the target's own earlier ones (SmolLM2-135M then repeats its
     # first answer in 77-100% of the 4-grams of every later turn: BENCHMARKS, "GPU recipe", fourth run)
-    history: str = "target"
+    history: str = "dataset"
     validation: bool = True  # regenerate + extract the held-out conversations too: train's --val-cache
-    validation_conversations: int = 0  # held-out conversations in the validation cache (the first ones); 0 = all
+    validation_conversations: int = 64  # held-out conversations in the validation cache (the first ones); 0 = all
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
@@ -243,15 +243,16 @@ def load_recipe(preset: str = PRESET) -> GpuRecipe:
 
 
 def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
-            target: str | None = None) -> Prepared:
+            target: str | None = None, timings: dict | None = None) -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
-    target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape)."""
+    target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape); timings: the
+    dict each stage's seconds go into as it ends (a new one by default)."""
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
     recipe = load_recipe(preset)
     os.makedirs(workdir, exist_ok=True)
-    timings: dict[str, float] = {}
+    timings = timings if timings is not None else {}
     t = time.perf_counter()
     if target is None:
         target = os.path.join(workdir, "target")
@@ -335,6 +336,49 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     return {"train": tr, "eval": evals}
 
 
+def _read_json(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+class WorkTime:
+    """The wall time of every run of the demo on a workdir, the killed ones too: WORKDIR/time.json holds one
+    record per run ({"wall_s", "stages_s": the stages it finished}), rewritten every `every` seconds by a thread
+    (file I/O only) and at the end, so a run killed by a time limit counts up to its last write. Their sum is
+    the time from nothing of a demo that took several runs to finish."""
+
+    def __init__(self, workdir: str, stages: dict[str, float], every: float = 5.0):
+        import threading
+
+        self.path = os.path.join(workdir, "time.json")
+        os.makedirs(workdir, exist_ok=True)
+        runs = (_read_json(self.path) or {}).get("runs")
+        self.runs = list(runs) if isinstance(runs, list) else []
+        self.runs.append({"wall_s": 0.0, "stages_s": {}})
+        self.stages, self.t0, self.every = stages, time.perf_counter(), every
+        self._stop = threading.Event()
+        self._write()
+        self._thread = threading.Thread(target=self._beat, name="demo-time", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        self.runs[-1] = {"wall_s": round(time.perf_counter() - self.t0, 1),
+                         "stages_s": {k: round(v, 1) for k, v in dict(self.stages).items()}}
+        atomic_json(self.path, {"runs": self.runs})
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self._write()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._write()
+
+
 def bars(ev: dict[str, Any]) -> dict[str, Any]:
     """The issue's bars on one eval report."""
     d, n = ev["dflash"], ev.get("ngram")
@@ -353,25 +397,46 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     from dflash.train.eval import format_report
 
     t0 = time.perf_counter()
-    prep = prepare(workdir, preset, device, progress, target)
-    timings = dict(prep.timings)
-    out = train_and_eval(prep, os.path.join(workdir, "run"), preset, device, progress, train_overrides,
-                         eval_prompts, timings=timings)
+    timings: dict[str, float] = {}
+    clock = WorkTime(workdir, timings)
+    try:
+        prep = prepare(workdir, preset, device, progress, target, timings)
+        out = train_and_eval(prep, os.path.join(workdir, "run"), preset, device, progress, train_overrides,
+                             eval_prompts, timings=timings)
+    finally:
+        clock.close()
     tr, evals = out["train"], out["eval"]
     hist = tr.get("history") or []
     last = hist[-1] if hist else {}
     tps = [h["ctx_tokens_per_s"] for h in hist[1:]] or [h["ctx_tokens_per_s"] for h in hist]
     first = next(iter(evals.values()))
+    # a resumed run's own figures cover only what it did: the earlier runs' come from the summary they left
+    # (regeneration, extraction) and from RUN/metrics.jsonl (every logged window of the training, resumes cut it
+    # back to the checkpoint they start from)
+    old = _read_json(os.path.join(workdir, "summary.json")) or {}
+    regen = {k: prep.regen.get(k) for k in ("tokens_per_s_this_rank", "generated_tokens_this_rank",
+                                            "generation_s_this_rank", "engine_this_rank", "counts")} if prep.regen else None
+    if regen and not regen["generated_tokens_this_rank"] and old.get("regenerate"):
+        regen = old["regenerate"]
+    ex_tps = (prep.extract or {}).get("tokens_per_s_this_rank") or old.get("extract_tokens_per_s")
+    metrics = os.path.join(workdir, "run", "metrics.jsonl")
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            records = [json.loads(x) for x in f if x.strip()]
+    else:
+        records = hist
     summary = {
         "recipe": "gpu", "preset": preset, "target": prep.target, "data": prep.counts,
-        "regenerate": {k: prep.regen.get(k) for k in ("tokens_per_s_this_rank", "generated_tokens_this_rank",
-                                                      "generation_s_this_rank", "engine_this_rank", "counts")} if prep.regen else None,
-        "extract_tokens_per_s": (prep.extract or {}).get("tokens_per_s_this_rank"),
+        "regenerate": regen,
+        "extract_tokens_per_s": ex_tps,
         "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
                   "ctx_tokens_per_s": sum(tps) / len(tps) if tps else None,
+                  "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"),
                   "val_tau_expected": (tr.get("val") or {}).get("val_tau_expected"),
                   "val_loss": (tr.get("val") or {}).get("val_loss"),
-                  "val_curve": [[h["step"], h["val_tau_expected"]] for h in hist if "val_tau_expected" in h]},
+                  # [step, held-out decoding tau, held-out expected tau] at every checkpoint
+                  "val_curve": [[h["step"], h.get("val_tau_decode"), h["val_tau_expected"]]
+                                for h in records if "val_tau_expected" in h]},
         "eval": {dt: {"tau_dflash": ev["dflash"]["tau"], "tau_ngram": ev.get("ngram", {}).get("tau"),
                       "tokens_per_s": {"target": ev["target_tokens_per_s"], "dflash": ev["dflash"]["tokens_per_s"],
                                        "ngram": ev.get("ngram", {}).get("tokens_per_s")},
@@ -385,6 +450,8 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
                              if "float32" in evals else None),
         "timings_s": timings,
         "wall_s": time.perf_counter() - t0,
+        "all_runs": clock.runs,  # every run of the demo on this workdir, the killed ones too (WORKDIR/time.json)
+        "wall_s_all_runs": sum(r["wall_s"] for r in clock.runs),
     }
 
     atomic_json(os.path.join(workdir, "summary.json"), summary)
@@ -408,6 +475,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("expected tau, train / held-out rows", f"{s['train']['tau_expected']:.2f} / "
          + (f"{s['train']['val_tau_expected']:.2f}" if s["train"].get("val_tau_expected") is not None else "-")
          if s["train"].get("tau_expected") is not None else "resumed"),
+        ("held-out decoding tau (--val-cache)", f"{s['train']['val_tau_decode']:.2f}"
+         if s["train"].get("val_tau_decode") is not None else "-"),
         ("tau dflash / n-gram", f"{b['tau']:.2f} / " + (f"{b['tau'] / b['tau_over_ngram']:.2f} "
                                                          f"({b['tau_over_ngram']:.2f}x)" if b.get("tau_over_ngram") else "-")),
         ("speed-up vs target alone", f"{b['speedup']:.2f}x"),
@@ -415,5 +484,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("lossless in float32", str(s["lossless_float32"])),
         ("time", ", ".join(f"{k} {v:.0f}s" for k, v in s["timings_s"].items())),
     ]
+    if len(s.get("all_runs", [])) > 1:
+        rows.append(("time from nothing", f"{s['wall_s_all_runs']:.0f}s in {len(s['all_runs'])} runs "
+                                          "(" + ", ".join(f"{r['wall_s']:.0f}s" for r in s["all_runs"]) + ")"))
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)

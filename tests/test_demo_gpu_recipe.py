@@ -59,7 +59,7 @@ def test_training_samples_keep_every_user_turn_with_its_history():
 
 def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns():
     raw = fake_chitchat(600)
-    recipe = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40)
+    recipe = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=40, history="target")
     samples, prompts, counts, valid = split_data(raw, recipe)
     convs = dict(dialogues(raw))
     cid = {t[0]: k for k, ts in convs.items() for t in [ts[:1]] if ts}  # first turn text -> conversation
@@ -101,7 +101,7 @@ def test_split_has_no_overlap_and_prompts_are_heldout_histories_at_varied_turns(
 
 def test_dataset_history_gives_one_sample_per_user_turn_with_the_datas_own_history():
     raw = fake_chitchat(300)
-    target = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=20)
+    target = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=20, history="target")
     data = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=20, history="dataset")
     st, pt, ct, vt = split_data(raw, target)
     sd, pd, cd, vd = split_data(raw, data)
@@ -248,10 +248,18 @@ def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path,
     recs = [json.loads(x) for x in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in recs if "val_tau_expected" in r] == [3, 6]
     t = s["train"]
-    assert t["val_curve"] == [[r["step"], r["val_tau_expected"]] for r in recs if "val_tau_expected" in r]
-    assert t["val_tau_expected"] == t["val_curve"][-1][1] and 1.0 <= t["val_tau_expected"] <= 4.0
+    assert t["val_curve"] == [[r["step"], r["val_tau_decode"], r["val_tau_expected"]] for r in recs if "val_tau_expected" in r]
+    assert t["val_tau_expected"] == t["val_curve"][-1][2] and 1.0 <= t["val_tau_expected"] <= 4.0
+    assert t["val_tau_decode"] == t["val_curve"][-1][1] and 1.0 <= t["val_tau_decode"] <= 4.0
     assert s["eval"]["float32"]["identical"] == "3/3"
     assert "validation data" in s["timings_s"]
 
+    assert [r["stages_s"] for r in s["all_runs"]] == [{k: round(v, 1) for k, v in s["timings_s"].items()}]
+
     again = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
     assert again["eval"] == s["eval"] and again["train"]["steps"] == 6
+    # the rerun keeps the first run's figures (its own regenerated and trained nothing) and adds its time
+    assert again["regenerate"] == s["regenerate"] and again["train"]["val_curve"] == t["val_curve"]
+    assert len(again["all_runs"]) == 2 and again["all_runs"][0] == s["all_runs"][0]
+    assert again["wall_s_all_runs"] == pytest.approx(sum(r["wall_s"] for r in again["all_runs"]))
+    assert json.loads((work / "time.json").read_text())["runs"] == again["all_runs"]
