@@ -170,7 +170,8 @@ def test_decoding_tau_is_the_walk_over_one_block_at_a_time(env, tmp_path):
     model.set_target_head(emb, head)
     val = dflash_cache.open(str(env["cache"]))
     rows = 4
-    got = Validator(str(env["cache"]), val, {}, rows, 2, 16, 7.0, torch.device("cpu"))(model)
+    v = Validator(str(env["cache"]), val, {}, rows, 2, 16, 7.0, torch.device("cpu"), keep_accepted=True)
+    got = v(model)
     tokens = steps = 0
     with torch.no_grad():
         for i in range(rows):
@@ -202,6 +203,9 @@ def test_decoding_tau_is_the_walk_over_one_block_at_a_time(env, tmp_path):
                 p = e
     assert steps > 0 and tokens > steps  # some drafts were accepted: the walk is not trivially tau 1
     assert got["val_tau_decode"] == pytest.approx(tokens / steps, abs=1e-9)
+    # the accepted lengths it keeps for other walks (bench/val_decode.py) give the same walk
+    walks = [decode_walk(*row) for row in v.accepted]
+    assert len(v.accepted) == rows and (sum(w[0] for w in walks), sum(w[1] for w in walks)) == (tokens, steps)
     want_blocks = sum(int(anchor_positions(*(val.read_rows([i], raw=True)[k] for k in ("loss_mask", "doc_ids"))).sum())
                       for i in range(rows))
     assert got["val_blocks"] == want_blocks

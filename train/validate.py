@@ -36,7 +36,8 @@ from .config import TrainError
 
 class Validator:
     def __init__(self, path: str, train_cache, expect: dict, rows: int, batch_rows: int, num_anchors: int,
-                 gamma: float, device: torch.device, threads: int = 4, max_new_tokens: int = 0):
+                 gamma: float, device: torch.device, threads: int = 4, max_new_tokens: int = 0,
+                 keep_accepted: bool = False):
         try:
             self.cache = dflash_cache.open(path, expect=expect, threads=threads)
         except dflash_cache.CacheMismatchError as e:
@@ -56,6 +57,8 @@ class Validator:
         self.batch_rows = max(1, min(batch_rows, self.rows))
         self.num_anchors, self.gamma, self.dev = num_anchors, gamma, device
         self.max_new_tokens = max_new_tokens
+        self.keep_accepted = keep_accepted  # keep (accepted, loss_mask, doc_ids) per row of the last call: walks
+        self.accepted: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # at other max_new_tokens (benchmarks)
 
     def __call__(self, model) -> dict:
         """Loss, expected and decoding tau and per-slot accuracy over the first `rows` rows, a block at every
@@ -67,6 +70,7 @@ class Validator:
         budget = self.batch_rows * self.num_anchors  # blocks per forward: the training step's
         loss_w = w_sum = tau_b = blocks = 0.0
         walk = [0, 0]  # tokens, steps of the simulated decoding
+        self.accepted = []
         hits = count = None
         try:
             with torch.no_grad():
@@ -94,8 +98,11 @@ class Validator:
                         acc = torch.zeros_like(part["doc_ids"], dtype=torch.long)
                         acc.scatter_(1, bl.anchors, met["accepted"].round().long() * bl.anchor_valid)
                         for r in range(acc.shape[0]):
-                            t, st = decode_walk(acc[r].cpu().numpy(), part["loss_mask"][r].cpu().numpy(),
-                                                part["doc_ids"][r].cpu().numpy(), self.max_new_tokens)
+                            row = (acc[r].cpu().numpy(), part["loss_mask"][r].cpu().numpy(),
+                                   part["doc_ids"][r].cpu().numpy())
+                            if self.keep_accepted:
+                                self.accepted.append(row)
+                            t, st = decode_walk(*row, self.max_new_tokens)
                             walk[0] += t
                             walk[1] += st
         finally:
