@@ -249,7 +249,7 @@ def main():
     ap.add_argument("--layers", default="1,2,3")
     ap.add_argument("--steps", default="1200", help="Comma-separated: one training run per value.")
     ap.add_argument("--eval-prompts", type=int, default=24,
-                    help="Held-out prompts per eval (the recipe's first N); 0 = no eval, the held-out expected tau only.")
+                    help="Held-out prompts per eval (the recipe's first N); 0 = no eval, the held-out decoding and expected tau only.")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--curve", action="store_true", help="The tau curve of the recipe's run instead of the sweep.")
     ap.add_argument("--draft-graph", action="store_true",

@@ -14,7 +14,7 @@ into the same workdir:
        user turn, at varied turn positions; the held-out conversations, cut the same way, make the validation set
     -> regenerate the answers with the target (large batch)
     -> extract the hidden states (and the validation set's, for train's --val-cache) -> train (compiled CUDA-graph
-       step, held-out loss and expected tau at every checkpoint)
+       step, held-out loss and decoding tau at every checkpoint)
     -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
 
 Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json, regenerated/, regenerated-valid/,

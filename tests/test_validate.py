@@ -1,11 +1,11 @@
-"""`dflash train --val-cache`: held-out loss and expected tau at every checkpoint (train/validate.py).
+"""`dflash train --val-cache`: held-out loss, decoding and expected tau at every checkpoint (train/validate.py).
 
 A tiny target, a training cache and a held-out cache from other conversations, both by the real `dflash extract`.
 What is checked: the records at the checkpoint steps carry the held-out metrics, summary.json the last of them;
 they are the figures of the saved drafter measured again from its files; the training itself (losses, weights) is
 bit for bit the run without validation; the split attention the validation uses on a GPU (in place of flex)
-gives the dense reference's figures; a held-out cache with other layers, or of another target, is refused
-naming --val-cache.
+gives the dense reference's figures; the decoding tau is the walk of greedy speculative decoding over blocks drafted
+one at a time; a held-out cache with other layers, or of another target, is refused naming --val-cache.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -139,8 +140,6 @@ def test_an_fp8_val_cache_is_read_as_stored_and_gives_nearly_the_bf16_figures(en
 def test_decode_walk_steps_through_each_answer_as_greedy_speculative_decoding_does():
     """Each supervised span (an answer) starts with the token the prompt's forward gives; every step drafts after
     the last token p, accepts accepted[p] drafts and adds the bonus token; tokens / steps is eval's tau."""
-    import numpy as np
-
     #           prompt    answer of doc 1 (7 tokens)   | doc 2: answer, user turn, answer | padding
     doc = np.array([1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 0, 0])
     lm = np.array([0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 0, 0])
@@ -161,8 +160,6 @@ def test_decoding_tau_is_the_walk_over_one_block_at_a_time(env, tmp_path):
     """The validation drafts every anchor position of a row at once and walks the answers on the result; drafting
     only the blocks the walk reaches, one forward each, gives the same steps (blocks do not see each other).
     Measured on the training rows, which the drafter has started to learn, so that some drafts are accepted."""
-    import numpy as np
-
     run = tmp_path / "run"
     ok(*run_args(env, run, "--max-steps", 40, "--save-every", 40, "--lr", 1e-2))
     model = load_drafter(str(run / "final"), attn_impl="split", dtype=torch.float32)
@@ -172,13 +169,13 @@ def test_decoding_tau_is_the_walk_over_one_block_at_a_time(env, tmp_path):
     rows = 4
     v = Validator(str(env["cache"]), val, {}, rows, 2, 16, 7.0, torch.device("cpu"), keep_accepted=True)
     got = v(model)
+    assert got["val_blocks"] > 0
     tokens = steps = 0
     with torch.no_grad():
         for i in range(rows):
             x = val.read_rows([i], raw=True)
             lm, doc = x["loss_mask"][0].numpy(), x["doc_ids"][0].numpy()
             valid = anchor_positions(x["loss_mask"], x["doc_ids"])
-            assert got["val_blocks"] > 0
 
             def accepted(p: int) -> int:  # one block anchored at p, alone in its forward
                 scores = torch.zeros(1, len(lm))
