@@ -58,6 +58,9 @@ class GpuRecipe:
     # conversation, every answer regenerated after the target's own earlier ones (SmolLM2-135M then repeats its
     # first answer in 77-100% of the 4-grams of every later turn: BENCHMARKS, "GPU recipe", fourth run)
     history: str = "dataset"
+    # history "dataset": the messages of the data's history kept before each user turn (the last ones; 0 = all).
+    # Bounds a sample's tokens, so that late turns of long conversations can be trained on (max_turns 0)
+    history_messages: int = 0
     validation: bool = True  # regenerate + extract the held-out conversations too: train's --val-cache
     validation_conversations: int = 64  # held-out conversations in the validation cache (the first ones); 0 = all
 
@@ -70,6 +73,11 @@ class GpuRecipe:
         check(self.eval_prompts >= 1, "eval_prompts", f"must be >= 1, got {self.eval_prompts}")
         check(self.eval_max_new_tokens >= 1, "eval_max_new_tokens", "must be >= 1")
         check(self.history in ("dataset", "target"), "history", f"must be dataset or target, got {self.history!r}")
+        check(self.history_messages >= 0 and self.history_messages % 2 == 0, "history_messages",
+              f"must be an even number >= 0 (0 = the whole history; even: a sample starts on a user turn), "
+              f"got {self.history_messages}")
+        check(not self.history_messages or self.history == "dataset", "history_messages",
+              "applies to history: dataset only (history: target regenerates every answer of a conversation)")
         check(self.validation_conversations >= 0, "validation_conversations", "must be >= 0 (0 = all)")
         check(self.later_dtype_prompts >= 0, "later_dtype_prompts", "must be >= 0 (0 = eval_prompts)")
         check(bool(self.eval_dtypes) and all(d in ("bfloat16", "float32") for d in self.eval_dtypes), "eval_dtypes",
@@ -115,11 +123,13 @@ def training_sample(turns: list[str], max_turns: int) -> list[dict[str, str]] | 
     return as_messages(kept) if kept else None
 
 
-def turn_samples(turns: list[str], max_turns: int) -> list[list[dict[str, str]]]:
+def turn_samples(turns: list[str], max_turns: int, history_messages: int = 0) -> list[list[dict[str, str]]]:
     """One sample per answered user turn within the first max_turns turns (0 = all): the conversation as the data
-    has it up to that user turn, then its answer (the one `regenerate --turns last` rewrites)."""
+    has it up to that user turn (its last history_messages messages before it; 0 = all, even: the sample still
+    starts on a user turn), then its answer (the one `regenerate --turns last` rewrites)."""
     kept = turns[:max_turns] if max_turns else list(turns)
-    return [as_messages(kept[: j + 2]) for j in range(0, len(kept) - 1, 2)]
+    return [as_messages(kept[max(0, j - history_messages) if history_messages else 0: j + 2])
+            for j in range(0, len(kept) - 1, 2)]
 
 
 def eval_prompts(held: list[tuple[str, list[str]]], n: int, max_turns: int) -> list[list[dict[str, str]]]:
@@ -167,8 +177,8 @@ def split_data(raw: dict[str, Any], recipe: GpuRecipe) -> tuple[list[list[dict]]
     if recipe.validation_conversations:
         held_convs = held_convs[: recipe.validation_conversations]
     if recipe.history == "dataset":  # one sample per user turn, the data's own history
-        samples = [s for t, _ in pairs for s in turn_samples(t, recipe.max_turns)]
-        held_samples = [s for t in held_convs for s in turn_samples(t, recipe.max_turns)]
+        samples = [s for t, _ in pairs for s in turn_samples(t, recipe.max_turns, recipe.history_messages)]
+        held_samples = [s for t in held_convs for s in turn_samples(t, recipe.max_turns, recipe.history_messages)]
     else:
         samples = [s for _, s in pairs]
         held_samples = [training_sample(t, recipe.max_turns) for t in held_convs]

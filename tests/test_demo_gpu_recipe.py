@@ -114,6 +114,17 @@ def test_dataset_history_gives_one_sample_per_user_turn_with_the_datas_own_histo
     assert cd["assistant_turns_cut_by_max_turns"] == ct["assistant_turns_cut_by_max_turns"]
     with pytest.raises(Exception, match="history"):
         GpuRecipe(history="human")
+    # history_messages keeps the last N messages of the history before each user turn; still one sample per turn
+    win = GpuRecipe(heldout_percent=10, max_turns=8, eval_prompts=20, history="dataset", history_messages=2)
+    sw, pw, cw, vw = split_data(raw, win)
+    assert sw == [s[max(0, j - 2): j + 2] for s in st for j in range(0, len(s), 2)]
+    assert vw == [s[max(0, j - 2): j + 2] for s in vt for j in range(0, len(s), 2)]
+    assert pw == pt and all(x[0]["role"] == "user" and len(x) <= 4 for x in sw) and len(sw) == len(sd)
+    for bad in (-2, 3):
+        with pytest.raises(Exception, match="history.messages"):
+            GpuRecipe(history_messages=bad)
+    with pytest.raises(Exception, match="history.messages"):
+        GpuRecipe(history="target", history_messages=4)
 
 
 def test_eval_max_turns_limits_the_prompts_not_the_training_samples():
