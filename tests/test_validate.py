@@ -203,6 +203,16 @@ def test_decoding_tau_is_the_walk_over_one_block_at_a_time(env, tmp_path):
     # the accepted lengths it keeps for other walks (bench/val_decode.py) give the same walk
     walks = [decode_walk(*row) for row in v.accepted]
     assert len(v.accepted) == rows and (sum(w[0] for w in walks), sum(w[1] for w in walks)) == (tokens, steps)
+    # bench/val_decode.py: the same pass from the drafter's files, walked whole and stopped at 8 tokens
+    from bench.val_decode import main as val_decode
+
+    out = val_decode(["--drafter", str(run / "final"), "--val-cache", str(env["cache"]), "--target", str(env["target"]),
+                      "--rows", str(rows), "--batch-rows", "2", "--num-anchors", "16", "--max-new-tokens", "0,8",
+                      "--device", "cpu"])
+    whole, short = out["results"]
+    assert whole["val_tau_decode"] == pytest.approx(tokens / steps) and whole["val_blocks"] == got["val_blocks"]
+    cut = [decode_walk(*row, 8) for row in v.accepted]
+    assert (short["tokens"], short["steps"]) == (sum(w[0] for w in cut), sum(w[1] for w in cut)) != (tokens, steps)
     want_blocks = sum(int(anchor_positions(*(val.read_rows([i], raw=True)[k] for k in ("loss_mask", "doc_ids"))).sum())
                       for i in range(rows))
     assert got["val_blocks"] == want_blocks
