@@ -57,10 +57,12 @@ def forced_accepts(drafter, ctx_hidden, full: list[int], anchors: list[int], lim
 
 def per_turn(a, tok, drafter, target) -> None:
     """Forced tau and 4-gram repetition per assistant turn of the first --n conversations of --conversations."""
+    import numpy as np
     import torch
 
     from dflash.core.chat import load_chat_dataset, row_messages
     from dflash.extract.data import ChatTokenizer
+    from dflash.train.validate import answer_spans
 
     chat = ChatTokenizer(tok)
     ds = load_chat_dataset(a.conversations)
@@ -68,16 +70,7 @@ def per_turn(a, tok, drafter, target) -> None:
     for r in range(min(a.n, len(ds))):
         ids, mask = chat.encode(row_messages(ds[r], r, a.conversations))
         ids, mask = ids[: a.max_len], mask[: a.max_len]
-        runs, t = [], 0  # [start, end) of each supervised run: one assistant turn each
-        while t < len(mask):
-            if mask[t]:
-                e = t
-                while e < len(mask) and mask[e]:
-                    e += 1
-                runs.append((t, e))
-                t = e
-            else:
-                t += 1
+        runs = answer_spans(np.asarray(mask), np.ones(len(mask), np.int64))  # one assistant turn each
         with torch.inference_mode():
             target.reset()
             _, hidden = target.forward(torch.tensor([ids], device=target.device), 0, hidden=True)

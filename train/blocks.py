@@ -71,14 +71,20 @@ class Blocks:
     anchor_doc: torch.Tensor  # [R, N]
 
 
+def anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
+    """[R, T] bool: the positions a block may anchor at: t and t+1 supervised, in the same (real) document."""
+    lm = loss_mask.bool()
+    valid = torch.zeros_like(lm)
+    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+    return valid
+
+
 def make_blocks(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, block_size: int,
                 mask_token_id: int) -> Blocks:
     R, T = input_ids.shape
     B, dev = block_size, input_ids.device
     lm = loss_mask.bool()
-    # valid anchor t: t and t+1 supervised, same (real) document
-    valid = torch.zeros_like(lm)
-    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
+    valid = anchor_positions(loss_mask, doc_ids)
     scores = torch.where(valid, anchor_scores.float(), torch.full_like(anchor_scores.float(), -1.0))
     top = scores.topk(num_anchors, dim=1).indices  # uniform among valid positions (random scores)
     anchors = top.sort(dim=1).values

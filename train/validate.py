@@ -31,6 +31,7 @@ import torch
 
 import dflash_cache
 
+from .blocks import anchor_positions
 from .config import TrainError
 
 
@@ -76,7 +77,9 @@ class Validator:
             with torch.no_grad():
                 for lo in range(0, self.rows, self.batch_rows):
                     idx = list(range(lo, min(lo + self.batch_rows, self.rows)))
-                    x = {k: v.to(self.dev) for k, v in self.cache.read_rows(idx, check=True, raw=True).items()}
+                    host = self.cache.read_rows(idx, check=True, raw=True)
+                    x = {k: v.to(self.dev) for k, v in host.items()}
+                    lm_host, doc_host = host["loss_mask"].numpy(), host["doc_ids"].numpy()
                     valid = anchor_positions(x["loss_mask"], x["doc_ids"])
                     n = int(valid.sum(1).max())
                     if n == 0:
@@ -97,9 +100,9 @@ class Validator:
                         hits, count = (h, c) if hits is None else (hits + h, count + c)
                         acc = torch.zeros_like(part["doc_ids"], dtype=torch.long)
                         acc.scatter_(1, bl.anchors, met["accepted"].round().long() * bl.anchor_valid)
-                        for r in range(acc.shape[0]):
-                            row = (acc[r].cpu().numpy(), part["loss_mask"][r].cpu().numpy(),
-                                   part["doc_ids"][r].cpu().numpy())
+                        acc_host = acc.cpu().numpy()
+                        for r in range(acc_host.shape[0]):
+                            row = (acc_host[r], lm_host[a + r], doc_host[a + r])
                             if self.keep_accepted:
                                 self.accepted.append(row)
                             t, st = decode_walk(*row, self.max_new_tokens)
@@ -114,12 +117,20 @@ class Validator:
                 "val_rows": self.rows, "val_blocks": int(blocks), "val_s": time.perf_counter() - t0}
 
 
-def anchor_positions(loss_mask: torch.Tensor, doc_ids: torch.Tensor) -> torch.Tensor:
-    """[R, T] bool: the positions make_blocks may anchor a block at (t and t+1 supervised, one real document)."""
-    lm = loss_mask.bool()
-    valid = torch.zeros_like(lm)
-    valid[:, :-1] = lm[:, :-1] & lm[:, 1:] & (doc_ids[:, :-1] == doc_ids[:, 1:]) & (doc_ids[:, :-1] > 0)
-    return valid
+def answer_spans(loss_mask: np.ndarray, doc_ids: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of supervised tokens of one real document in a row: an answer each."""
+    sup = (loss_mask > 0) & (doc_ids > 0)
+    spans, s, T = [], 0, len(sup)
+    while s < T:
+        if not sup[s]:
+            s += 1
+            continue
+        e = s
+        while e < T and sup[e] and doc_ids[e] == doc_ids[s]:
+            e += 1
+        spans.append((s, e))
+        s = e
+    return spans
 
 
 def decode_walk(accepted: np.ndarray, loss_mask: np.ndarray, doc_ids: np.ndarray,
@@ -130,22 +141,12 @@ def decode_walk(accepted: np.ndarray, loss_mask: np.ndarray, doc_ids: np.ndarray
     token, or until max_new_tokens tokens of the answer are out (0: no limit; the last step counts in full, as
     in `dflash eval`). Returns (tokens produced by the steps, steps); tokens / steps is what `dflash eval` calls
     tau."""
-    sup = (loss_mask > 0) & (doc_ids > 0)
     tokens = steps = 0
-    T = len(sup)
-    s = 0
-    while s < T:
-        if not sup[s]:
-            s += 1
-            continue
-        e = s
-        while e < T and sup[e] and doc_ids[e] == doc_ids[s]:
-            e += 1
+    for s, e in answer_spans(loss_mask, doc_ids):
         p = s
         while p < e - 1 and (not max_new_tokens or p - s + 1 < max_new_tokens):
             n = int(accepted[p]) + 1
             tokens += n
             steps += 1
             p += n
-        s = e
     return tokens, steps
