@@ -11,7 +11,9 @@ device buffers (bytes + scales: the host copy moves half or a quarter of the bf1
 stream copies it asynchronously into a pinned host buffer (one per shard in flight); when a shard's
 last copy has landed (polled with event.query() from this, the only
 CUDA thread), the shard goes to the cache writer, whose threads compress, checksum and write it.
-The main thread blocks only when every host buffer is still being written (disk-bound).
+The main thread blocks only when every host buffer is still being written (disk-bound). Each batch's token ids
+reach the GPU by a non-blocking copy from pinned memory, so the host queues the next forward while the current
+one runs (a blocking copy would make it wait for the GPU at every batch: _rows_to_device).
 """
 
 from __future__ import annotations
@@ -310,8 +312,7 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                 # on GPU a short last batch is padded with all-padding rows: every forward has one shape
                 # (no recompiles of the flex kernels); on CPU that would only cost time
                 rows = batch_rows if cuda else j - i
-                ids, pos, doc = (torch.from_numpy(_pad_rows(arrays[k][i:j], rows, pad)).to(dev, torch.long)
-                                 for k, pad in (("input_ids", pad_id), ("position_ids", 0), ("doc_ids", 0)))
+                ids, pos, doc = _rows_to_device(arrays, i, j, rows, pad_id, dev)
                 b = nbatch % len(gbufs)
                 if cuda and copied[b] is not None:
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
@@ -352,8 +353,7 @@ def _compiled_target(target, spec, plan, docs, pad_id, shard, batch_rows, dev):
     rows = min(n, batch_rows)
     arrays = materialize(plan, docs, spec.seq_len, pad_id, start, start + rows)
     rows = batch_rows if dev.type == "cuda" else rows  # the shape the job runs
-    first = tuple(torch.from_numpy(_pad_rows(arrays[k], rows, pad)).to(dev, torch.long)
-                  for k, pad in (("input_ids", pad_id), ("position_ids", 0), ("doc_ids", 0)))
+    first = _rows_to_device(arrays, 0, len(arrays["input_ids"]), rows, pad_id, dev)
     runner, report = compiled_or_eager(target, first)
     if report["compiled"]:
         worst = max(c / t for c, t in zip(report["err_compiled_vs_ref"], report["tolerance"]))
@@ -371,6 +371,22 @@ def _tokenize_cache_dir(cfg: ExtractConfig) -> str | None:
         return cfg.tokenize_cache
     default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dflash", "tokenized")
     return os.environ.get("DFLASH_TOKENIZE_CACHE") or default
+
+
+def _rows_to_device(arrays: dict, i: int, j: int, rows: int, pad_id: int, dev: torch.device) -> tuple:
+    """(input ids, positions, doc ids) of rows i:j, padded to `rows` rows, as int64 tensors on dev.
+
+    On a GPU the copy goes through pinned memory and does not block: a blocking host-to-device copy synchronises
+    the stream (torch waits for the copy, which waits for every kernel queued before it), so the host would sit
+    idle until the previous forward ended and only then build this batch's mask and launch it, leaving the GPU
+    idle for that long at every batch. Pinned blocks are reused only after their copy has run (torch's caching
+    host allocator records it)."""
+    host = np.stack([_pad_rows(arrays[k][i:j], rows, pad).astype(np.int64, copy=False)
+                     for k, pad in (("input_ids", pad_id), ("position_ids", 0), ("doc_ids", 0))])
+    t = torch.from_numpy(host)
+    if dev.type == "cuda":
+        t = t.pin_memory().to(dev, non_blocking=True)
+    return tuple(t.unbind(0))
 
 
 def _pad_rows(a: np.ndarray, rows: int, value: int) -> np.ndarray:
