@@ -49,8 +49,6 @@ class Validator:
         if list(c.layer_ids) != list(train_cache.layer_ids):
             raise TrainError(f"--val-cache {path}: layers {list(c.layer_ids)}, but --cache has "
                              f"{list(train_cache.layer_ids)}: extract both with the same --num-context-layers/--layers")
-        if num_anchors >= c.seq_len:
-            raise TrainError(f"--val-cache {path}: rows of {c.seq_len} tokens cannot hold --num-anchors {num_anchors}")
         if len(c) == 0:
             raise TrainError(f"--val-cache {path}: has no rows")
         self.path = path
