@@ -84,6 +84,15 @@ def test_held_out_metrics_at_every_checkpoint_without_changing_training(env, tmp
     for k in ("val_loss", "val_tau_expected", "val_tau_decode", "val_blocks"):
         assert again[k] == pytest.approx(held[1][k], rel=1e-5), k
 
+    # bench/val_curve.py: the same points against the context tokens trained on (steps x rows per step x SEQ)
+    from bench.val_curve import main as val_curve
+
+    (label, curve), = val_curve(["--run", str(val)])
+    rows_per_step = read_json(val / "run.json")["config"]["batch_rows"]
+    assert label == "val" and curve["tokens_per_step"] == rows_per_step * SEQ
+    assert curve["points"] == [(r["step"], r["step"] * rows_per_step * SEQ, r["val_tau_decode"], r["val_tau_expected"])
+                               for r in held]
+
 
 def test_split_attention_gives_the_dense_references_figures(env, tmp_path):
     run = tmp_path / "run"
