@@ -678,8 +678,27 @@ def test_gguf_target_answers_sensibly(smollm2):
 
 
 @pytest.mark.slow
-def test_convert_gguf_folder_loads_in_bf16_with_same_logits(smollm2, work):
+def test_convert_gguf_folder_loads_in_bf16_with_same_logits(smollm2, work, monkeypatch):
+    # the GGUF file is parsed once for config, weights and tokenizer, and gguf's tensor-name map built once
+    # (transformers alone: 3 parses and ~400 maps); both are gguf's own again afterwards
+    import gguf
+
+    calls = {"reader": 0, "map": 0}
+    reader_cls, name_map_fn = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def counting_reader(*a, **k):
+        calls["reader"] += 1
+        return reader_cls(*a, **k)
+
+    def counting_map(*a, **k):
+        calls["map"] += 1
+        return name_map_fn(*a, **k)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counting_reader)
+    monkeypatch.setattr(gguf, "get_tensor_name_map", counting_map)
     out = convert_gguf(smollm2["path"], str(work / "smollm2-hf"))
+    assert calls == {"reader": 1, "map": 1}
+    assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is counting_map
     assert os.path.isfile(os.path.join(out, "config.json")) and not os.path.exists(out + ".partial")
     conv = load_causal_lm(out, dtype=torch.bfloat16)
     assert conv.dtype == torch.bfloat16 and type(conv).__name__ == "LlamaForCausalLM"

@@ -10,6 +10,7 @@ cache's metadata; convert_gguf dequantises a GGUF model once into a save_pretrai
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import logging
@@ -46,12 +47,60 @@ def resolve_target(path: str) -> tuple[str, str | None]:
                       + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else ""))
 
 
+_GGUF_MEMO: list[dict] = []  # the active gguf_read_once() memo, if any
+
+
+@contextlib.contextmanager
+def gguf_read_once():
+    """Within: one gguf.GGUFReader per file and one gguf tensor-name map per (architecture, layers).
+
+    transformers parses a GGUF file anew for the config, for the weights and for the tokenizer, and each parse
+    reads every metadata field, the whole vocabulary and its merges included (~9 s for SmolLM2-135M on 2 cores);
+    it also builds gguf's tensor-name map once per submodule of the model (~400 times, ~13 s). Both are pure
+    functions of their arguments and only read afterwards, so they are memoised here for the duration (re-entrant:
+    an inner use shares the outer memo). transformers imports both from `gguf` inside its functions, which is
+    where they are swapped; a version that imports them elsewhere simply loads at the old speed."""
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    if _GGUF_MEMO:
+        yield
+        return
+    readers: dict = {}
+    maps: dict = {}
+    reader_cls, name_map_fn = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(os.fspath(path)), mode)
+        if key not in readers:
+            readers[key] = reader_cls(path, mode)
+        return readers[key]
+
+    def name_map(arch, n_blocks):
+        if (arch, n_blocks) not in maps:
+            maps[arch, n_blocks] = name_map_fn(arch, n_blocks)
+        return maps[arch, n_blocks]
+
+    _GGUF_MEMO.append({"readers": readers, "maps": maps})
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map_fn
+        _GGUF_MEMO.clear()
+
+
 def load_config(path: str):
     from transformers import AutoConfig
 
     d, gguf = resolve_target(path)
     try:
-        return AutoConfig.from_pretrained(d, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(d)
+        if gguf:
+            with gguf_read_once():
+                return AutoConfig.from_pretrained(d, gguf_file=gguf)
+        return AutoConfig.from_pretrained(d)
     except Exception as e:  # noqa: BLE001
         raise TargetError(f"cannot read the model config of {path}: {e}") from e
 
@@ -61,7 +110,10 @@ def load_tokenizer(path: str):
 
     d, gguf = resolve_target(path)
     try:
-        return AutoTokenizer.from_pretrained(d, gguf_file=gguf) if gguf else AutoTokenizer.from_pretrained(d)
+        if gguf:
+            with gguf_read_once():
+                return AutoTokenizer.from_pretrained(d, gguf_file=gguf)
+        return AutoTokenizer.from_pretrained(d)
     except Exception as e:  # noqa: BLE001
         raise TargetError(f"cannot load the tokenizer of {path}: {e}") from e
 
@@ -116,10 +168,15 @@ def load_causal_lm(path: str, *, device="cpu", dtype=torch.float32, attn_impl: s
     with_head=False returns the base model (no LM head). GGUF weights are dequantized in memory
     (slow for big models: convert once with `convert_gguf`).
     """
-    from transformers import AutoModel, AutoModelForCausalLM
-
     _quiet_transformers()
     d, gguf = resolve_target(path)
+    with gguf_read_once() if gguf else contextlib.nullcontext():  # one parse of a GGUF file for config and weights
+        return _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_head)
+
+
+def _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_head):
+    from transformers import AutoModel, AutoModelForCausalLM
+
     cfg = load_config(path)
     if num_layers is not None:
         cfg = _truncated_config(cfg, num_layers)
@@ -150,8 +207,9 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype=torch.bfloat16) -> str:
     if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer_config.json")):
         return out_dir
     tmp = out_dir.rstrip("/") + ".partial"
-    model = load_causal_lm(gguf_path, dtype=dtype)
-    tok = load_tokenizer(gguf_path)
+    with gguf_read_once():  # the file is parsed once for config, weights and tokenizer
+        model = load_causal_lm(gguf_path, dtype=dtype)
+        tok = load_tokenizer(gguf_path)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     if os.path.exists(out_dir):
