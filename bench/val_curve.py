@@ -4,9 +4,9 @@
     python bench/val_curve.py --run WORKDIR/run          # the GPU recipe's run: the table only
 
 Reads each run's metrics.jsonl (the validation lines: val_tau_decode, val_tau_expected) and run.json (rows per
-step = batch_rows x grad_accum x ranks; the row length from its cache, or --seq-len), prints the table and, with matplotlib
-installed (not a dependency), plots the decoding tau (solid) and the expected tau (dashed) of every run;
---hline draws a measured eval tau (e.g. n-gram lookup's) as a horizontal line.
+step = batch_rows x grad_accum x ranks; the row length from its cache, or --seq-len), prints the table and,
+with matplotlib installed (not a dependency), plots the decoding tau (solid) and the expected tau (dashed) of
+every run; --hline draws a measured eval tau (e.g. n-gram lookup's) as a horizontal line.
 """
 
 from __future__ import annotations
