@@ -14,6 +14,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
 def load(run: str, seq_len: int = 0) -> dict:
@@ -26,12 +29,11 @@ def load(run: str, seq_len: int = 0) -> dict:
         import dflash_cache
 
         seq_len = dflash_cache.open(cfg["cache"], allow_incomplete=True).seq_len
-    points = {}
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        for line in f:
-            r = json.loads(line)
-            if "val_tau_expected" in r:  # a resumed run repeats none (run_dir drops lines after its checkpoint)
-                points[r["step"]] = (r.get("val_tau_decode"), r["val_tau_expected"])
+    from dflash.train.run_dir import read_metrics
+
+    # a resumed run repeats no step: run_dir drops the records after the checkpoint it resumes from
+    points = {r["step"]: (r.get("val_tau_decode"), r["val_tau_expected"]) for r in read_metrics(run)
+              if "val_tau_expected" in r}
     return {"tokens_per_step": rows_per_step * seq_len,
             "points": [(s, s * rows_per_step * seq_len, d, e) for s, (d, e) in sorted(points.items())]}
 

@@ -405,6 +405,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
                  eval_prompts: int | None = None) -> dict[str, Any]:
     """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json."""
     from dflash.train.eval import format_report
+    from dflash.train.run_dir import read_metrics
 
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -429,12 +430,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     if regen and not regen["generated_tokens_this_rank"] and old.get("regenerate"):
         regen = old["regenerate"]
     ex_tps = (prep.extract or {}).get("tokens_per_s_this_rank") or old.get("extract_tokens_per_s")
-    metrics = os.path.join(workdir, "run", "metrics.jsonl")
-    if os.path.exists(metrics):
-        with open(metrics) as f:
-            records = [json.loads(x) for x in f if x.strip()]
-    else:
-        records = hist
+    records = read_metrics(os.path.join(workdir, "run")) or hist
     summary = {
         "recipe": "gpu", "preset": preset, "target": prep.target, "data": prep.counts,
         "regenerate": regen,

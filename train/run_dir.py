@@ -115,6 +115,15 @@ def finished_run(out: str, step: int, total_steps: int) -> dict[str, Any] | None
     return dict(summary, steps_this_run=0) if summary.get("steps") == step else None
 
 
+def read_metrics(out: str) -> list[dict]:
+    """The records of RUN/metrics.jsonl in order ([] before the first one is logged)."""
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(ln) for ln in f if ln.strip()]
+
+
 def drop_metrics_after(out: str, step: int) -> None:
     """Remove the records of steps > step from RUN/metrics.jsonl (they are about to be redone)."""
     metrics = os.path.join(out, "metrics.jsonl")
