@@ -90,6 +90,18 @@ def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=No
     return real / (time.perf_counter() - t)
 
 
+def compiled_speed(pt, rows, batch_rows: int) -> tuple[float, dict]:
+    """(real tokens/s, first-batch check) of extract/compiled.py's CompiledTarget: compiled, checked against eager on
+    the first batch_rows rows, then timed by forward_speed (flex mask + capture). Inductor's global config (e.g.
+    freezing) applies as set by the caller."""
+    from dflash.extract.compiled import CompiledTarget, check_compiled
+
+    runner = CompiledTarget(pt)
+    first = [torch.from_numpy(rows[k][:batch_rows]).to("cuda", torch.long) for k in ("input_ids", "position_ids", "doc_ids")]
+    check = check_compiled(pt, runner, *first)
+    return forward_speed(pt, rows, batch_rows, "flex", True, runner=runner), check
+
+
 def peer_torch_save(pt, rows, plan, docs, batch_rows: int, out_dir: str, max_rows: int) -> dict:
     """One torch.save per sample (the K layers concatenated), synchronous, as the peers do."""
     dev = pt.device
@@ -164,18 +176,11 @@ def main():
                 res[f"forward_{mode}{'_capture' if cap else ''}_tok_s"] = tps
                 print(table_rows[-1], flush=True)
         if "compiled" not in skip:
-            from dflash.extract.compiled import CompiledTarget, check_compiled
-
-            runner = CompiledTarget(pt)
-            b = {k: torch.from_numpy(rows[k][:a.batch_rows]).to("cuda", torch.long)
-                 for k in ("input_ids", "position_ids", "doc_ids")}
-            res["compile_check"] = check_compiled(pt, runner, b["input_ids"], b["position_ids"], b["doc_ids"])
+            tps, res["compile_check"] = compiled_speed(pt, rows, a.batch_rows)
             print({"compile_check": res["compile_check"]}, flush=True)
-            tps = forward_speed(pt, rows, a.batch_rows, "flex", True, runner=runner)
             res["forward_flex_capture_compiled_tok_s"] = tps
             table_rows.append({"what": "pure forward, flex document mask + capture, compiled", "tok_s": tps})
             print(table_rows[-1], flush=True)
-            del runner
         if "peer" not in skip:
             peer = peer_torch_save(pt, rows, plan, docs, a.batch_rows, os.path.join(a.shm_dir, "peer"), a.peer_rows)
             res["peer"] = peer

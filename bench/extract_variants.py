@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import QWEN3_8B, hardware, random_target_dir, synthetic_chats, table, write_jsonl  # noqa: E402
-from bench.extract import forward_speed, packed_rows  # noqa: E402
+from bench.extract import compiled_speed, forward_speed, packed_rows  # noqa: E402
 
 
 def main():
@@ -39,7 +39,6 @@ def main():
     import torch._inductor.config as inductor_config
 
     from dflash.core.layers import default_layer_ids
-    from dflash.extract.compiled import CompiledTarget, check_compiled
     from dflash.extract.target import PackedTarget
 
     os.makedirs(a.dir, exist_ok=True)
@@ -61,13 +60,9 @@ def main():
         else:
             torch._dynamo.reset()
             inductor_config.freezing = kind == "freeze"
-            runner = CompiledTarget(pt)
-            b = [torch.from_numpy(rows[k][:batch]).to("cuda", torch.long) for k in ("input_ids", "position_ids", "doc_ids")]
-            chk = check_compiled(pt, runner, *b)
-            r.update(tok_s=forward_speed(pt, rows, batch, "flex", True, runner=runner), check_passed=chk["passed"],
-                     worst_of_tolerance=max(c / t for c, t in zip(chk["err_compiled_vs_ref"], chk["tolerance"])),
-                     first_call_s=chk["first_call_s"])
-            del runner
+            tok_s, chk = compiled_speed(pt, rows, batch)
+            r.update(tok_s=tok_s, check_passed=chk["passed"], first_call_s=chk["first_call_s"],
+                     worst_of_tolerance=max(c / t for c, t in zip(chk["err_compiled_vs_ref"], chk["tolerance"])))
         r.update(wall_s=time.perf_counter() - t0, peak_GB=torch.cuda.max_memory_allocated() / 1e9)
         torch.cuda.empty_cache()
         eager = next((x["tok_s"] for x in out if x["variant"] == f"eager{batch}"), None)
