@@ -47,7 +47,7 @@ def resolve_target(path: str) -> tuple[str, str | None]:
                       + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else ""))
 
 
-_GGUF_MEMO: list[dict] = []  # the active gguf_read_once() memo, if any
+_gguf_memo_active = False  # inside gguf_read_once(): an inner use shares the outer memo
 
 
 @contextlib.contextmanager
@@ -60,12 +60,13 @@ def gguf_read_once():
     functions of their arguments and only read afterwards, so they are memoised here for the duration (re-entrant:
     an inner use shares the outer memo). transformers imports both from `gguf` inside its functions, which is
     where they are swapped; a version that imports them elsewhere simply loads at the old speed."""
+    global _gguf_memo_active
     try:
         import gguf
     except ImportError:
         yield
         return
-    if _GGUF_MEMO:
+    if _gguf_memo_active:
         yield
         return
     readers: dict = {}
@@ -83,13 +84,13 @@ def gguf_read_once():
             maps[arch, n_blocks] = name_map_fn(arch, n_blocks)
         return maps[arch, n_blocks]
 
-    _GGUF_MEMO.append({"readers": readers, "maps": maps})
+    _gguf_memo_active = True
     gguf.GGUFReader, gguf.get_tensor_name_map = reader, name_map
     try:
         yield
     finally:
         gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map_fn
-        _GGUF_MEMO.clear()
+        _gguf_memo_active = False
 
 
 def load_config(path: str):
