@@ -64,7 +64,7 @@ def main(argv=None) -> list:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    fig, ax = plt.subplots(figsize=(10, 4), dpi=110)
     for i, (label, r) in enumerate(runs):
         color = f"C{i}"
         xs = [t / 1e6 for _, t, _, _ in r["points"]]
@@ -79,7 +79,7 @@ def main(argv=None) -> list:
     ax.set_ylabel("tau (tokens per target forward)")
     ax.set_title(a.title)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the axes: the curves fill them
     fig.tight_layout()
     fig.savefig(a.out)
     print(f"wrote {a.out}")
