@@ -230,6 +230,11 @@ def test_compiled_matches_eager_with_no_recompiles(env, tmp_path):
     c = s["compile_check"]  # the compiled step checked itself against the eager one on the first batch, and passed
     assert s["compiled"] and c["ran"] and c["passed"] and "agree" in p.stdout, p.stdout
     assert c["loss_compiled"] == pytest.approx(c["loss_eager"], rel=1e-5) and c["grad_rel_err"] < 1e-3
+    ph = c["compile_phases"]  # where the first compiled call's time went, from torch's own counters
+    assert ph["dynamo"] > 0 and ph["inductor forward"] > 0 and ph["inductor backward"] > 0, ph
+    assert ph["dynamo"] + ph["aot autograd"] + ph["inductor forward"] + ph["inductor backward"] <= c["compiled_s"], c
+    assert 0 < c["compiled_s"] and 0 < c["eager_s"] and c["compiled_s"] + c["eager_s"] <= c["seconds"] + 1e-6, c
+    assert f"first compiled call {c['compiled_s']:.0f} s (dynamo" in p.stdout, p.stdout
     assert read_json(tmp_path / "compiled" / "run.json")["config"]["compile"] == "on"
 
 
@@ -290,6 +295,8 @@ def test_a_compiled_step_that_disagrees_with_eager_is_replaced_by_the_eager_one(
     assert c["ran"] and not c["passed"] and not res["compiled"]
     assert c["grad_rel_err"] == pytest.approx(0.3, rel=1e-3) and c["loss_compiled"] == pytest.approx(1.3 * c["loss_eager"])
     assert "DISAGREE" in out and "continuing with the eager step" in out, out
+    assert c["compile_phases"] == {k: 0.0 for k in c["compile_phases"]}, c  # nothing compiled: no phase took time
+    assert "first compiled call" in out and "eager reference" in out, out
     assert [h["loss"] for h in res["history"]] == pytest.approx([h["loss"] for h in eager["history"]], rel=1e-6)
     assert read_json(tmp_path / "faulty" / "summary.json")["compile_check"]["passed"] is False
 

@@ -34,9 +34,14 @@ def check_compiled(compiled_fn, model, params: list[torch.Tensor], args: tuple, 
         return float(loss.detach()), grads
 
     t0 = time.perf_counter()
+    phases0 = compile_phases()
     if cuda:
         torch.compiler.cudagraph_mark_step_begin()
     loss_c, g_c = loss_and_grads(compiled_fn)
+    if cuda:
+        torch.cuda.synchronize()
+    t1 = time.perf_counter()
+    phases = {k: round(v - phases0.get(k, 0.0), 2) for k, v in compile_phases().items()}
     saved = model.attn_impl
     model.attn_impl = "sdpa"
     try:
@@ -62,8 +67,37 @@ def check_compiled(compiled_fn, model, params: list[torch.Tensor], args: tuple, 
         flag = torch.tensor([1.0 if ok else 0.0], device=dist.device)
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
         ok = bool(flag.item() == 1.0)
-    res.update(passed=ok, seconds=time.perf_counter() - t0)
+    t2 = time.perf_counter()
+    res.update(passed=ok, seconds=t2 - t0, compiled_s=t1 - t0, eager_s=t2 - t1, compile_phases=phases)
     return res
+
+
+# torch's own compile-time counters (torch._dynamo.utils.compile_times: seconds per phase, summed over the process)
+# that say where a first compiled call's time went; nested: the forward's inductor compile is inside AOT autograd.
+_PHASES = {"dynamo": "bytecode_tracing", "aot autograd": "create_aot_dispatcher_function",
+           "inductor forward": "compile_fx.<locals>.fw_compiler_base", "inductor backward": "compile_fx.<locals>.bw_compiler",
+           "kernel builds waited for": "async_compile.wait"}
+
+
+def compile_phases() -> dict[str, float]:
+    """Seconds spent so far in this process in each of _PHASES ({} where torch does not say: a private API)."""
+    try:
+        from torch._dynamo.utils import compile_times
+
+        names, values = compile_times(repr="csv", aggregate=True)
+        got = dict(zip(names, (float(v) for v in values)))
+    except Exception:  # noqa: BLE001 - a diagnostic only: its absence must not stop training
+        return {}
+    out = {k: got.get(v, 0.0) for k, v in _PHASES.items()}
+    out["aot autograd"] = max(0.0, out["aot autograd"] - out["inductor forward"])  # its own part
+    return out
+
+
+def _timing(c: dict[str, Any]) -> str:
+    """'compiled call 231 s (dynamo 10, ...), eager reference 3 s' for the check's line."""
+    ph = ", ".join(f"{k} {v:.0f}" for k, v in c.get("compile_phases", {}).items() if v >= 0.5)
+    return (f"first compiled call {c['compiled_s']:.0f} s" + (f" ({ph})" if ph else "")
+            + f", eager reference {c['eager_s']:.0f} s")
 
 
 def check_and_report(compiled_fn, model, params, args: tuple, cuda: bool, dist) -> tuple[dict[str, Any], bool]:
@@ -75,7 +109,8 @@ def check_and_report(compiled_fn, model, params, args: tuple, cuda: bool, dist) 
     if c["ran"]:
         print0(f"train: compiled step vs eager on the first batch: loss {c['loss_compiled']:.5f} vs "
                f"{c['loss_eager']:.5f}, gradient error {c['grad_rel_err']:.3g} (lowest cosine "
-               f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): {'agree' if c['passed'] else 'DISAGREE'}")
+               f"{c['min_grad_cos']:.4f}, {c['min_grad_cos_param']}): {'agree' if c['passed'] else 'DISAGREE'}; "
+               f"{_timing(c)}")
     else:
         print0(f"train: note: compiled-step check skipped: {c['why']}")
     if not c["passed"]:
