@@ -94,7 +94,7 @@ def compile_phases() -> dict[str, float]:
 
 
 def _timing(c: dict[str, Any]) -> str:
-    """'compiled call 231 s (dynamo 10, ...), eager reference 3 s' for the check's line."""
+    """'first compiled call 231 s (dynamo 10, ...), eager reference 3 s' for the check's line."""
     ph = ", ".join(f"{k} {v:.0f}" for k, v in c.get("compile_phases", {}).items() if v >= 0.5)
     return (f"first compiled call {c['compiled_s']:.0f} s" + (f" ({ph})" if ph else "")
             + f", eager reference {c['eager_s']:.0f} s")
