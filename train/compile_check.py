@@ -73,7 +73,8 @@ def check_compiled(compiled_fn, model, params: list[torch.Tensor], args: tuple, 
 
 
 # torch's own compile-time counters (torch._dynamo.utils.compile_times: seconds per phase, summed over the process)
-# that say where a first compiled call's time went; nested: the forward's inductor compile is inside AOT autograd.
+# that say where a first compiled call's time went. Nested: the forward's inductor compile is inside AOT autograd
+# (compile_phases reports AOT autograd's own part), and the kernel builds are inside the two inductor phases.
 _PHASES = {"dynamo": "bytecode_tracing", "aot autograd": "create_aot_dispatcher_function",
            "inductor forward": "compile_fx.<locals>.fw_compiler_base", "inductor backward": "compile_fx.<locals>.bw_compiler",
            "kernel builds waited for": "async_compile.wait"}
