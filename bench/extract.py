@@ -222,7 +222,10 @@ def main():
                          f"--compile {comp}" + ("" if comp == "off" or s["compile"]["compiled"] else " (fell back: eager)"),
                  "tok_s": s["tokens_per_s_this_rank"], "bytes_per_token": size / real,
                  "write_GB_s": s["bytes_written_this_rank"] / s["elapsed_s"] / 1e9, "elapsed_s": s["elapsed_s"],
-                 "compile_s": s["compile"].get("seconds", 0.0)}
+                 "compile_s": s["compile"].get("seconds", 0.0), "tail_s": s["tail_s"],
+                 # without the fixed tail (the last shard's encoding and write after the last forward), which
+                 # weighs more in a short job than in a real one
+                 "tok_s_before_tail": s["tokens_this_rank"] / max(1e-9, s["elapsed_s"] - s["tail_s"])}
             if "forward_flex_tok_s" in res:
                 r["vs_pure_forward"] = r["tok_s"] / res["forward_flex_tok_s"]
             key = f"extract_{where}" + ("" if hdt == "bf16" else f"_{hdt}")
@@ -237,7 +240,7 @@ def main():
     print(f"\nhardware: {res['hardware']}, torch {res['torch']}; {a.shape}-shaped random target, T={a.seq_len}, "
           f"K={len(layer_ids)} layers {layer_ids}, {res['rows']} rows, {real:,} real tokens")
     print(table(table_rows, ["what", "tok_s", "vs_pure_forward", "vs_compile_off", "bytes_per_token", "write_GB_s",
-                             "elapsed_s", "compile_s"]))
+                             "elapsed_s", "compile_s", "tail_s", "tok_s_before_tail"]))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(res, f, indent=2)

@@ -190,7 +190,7 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
            f"{len(mine) - len(todo)} of this rank's {len(mine)} shards already committed")
 
     t0 = time.perf_counter()
-    done_tokens, load_s = 0, 0.0
+    done_tokens, load_s, tail_s = 0, 0.0, 0.0
     summary_compile: dict[str, Any] = {"compiled": False, "why": f"--compile {cfg.compile}" if todo else "nothing to do"}
     if todo:
         target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
@@ -199,11 +199,14 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
             target, summary_compile = _compiled_target(target, spec, plan, data.docs, pad_id, todo[0], batch_rows, dev)
         t0 = time.perf_counter()  # tokens/s counts forwards + committed writes, not loading the model
         try:
-            done_tokens = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer, batch_rows, dev, show)
+            done_tokens, last_batch_t = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer,
+                                                        batch_rows, dev, show)
         except BaseException:
             writer.abort()  # drop queued shards (they would only fail again); committed ones stay
             raise
     writer.close()
+    if todo:
+        tail_s = time.perf_counter() - last_batch_t
     elapsed = time.perf_counter() - t0
     barrier()
     all_tokens, slowest = done_tokens, elapsed
@@ -216,6 +219,7 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     summary = {
         "rows": len(plan), "shards": spec.num_shards, "layer_ids": layer_ids, "seq_len": cfg.seq_len,
         "padding_fraction": pstats.padding_fraction, "data": data.counts(), "elapsed_s": elapsed, "load_s": load_s,
+        "tail_s": tail_s,  # from the last batch on the host to the job's end: its shard's encoding and write
         "tokens_this_rank": done_tokens, "tokens_per_s_this_rank": done_tokens / elapsed if elapsed > 0 else 0.0,
         "shards_this_rank": len(mine), "assigned_tokens_this_rank": int(shard_tokens[mine].sum()) if mine else 0,
         "writer_threads": threads, "compile": summary_compile,
@@ -255,7 +259,9 @@ def _weights_record(cfg: ExtractConfig, tc) -> dict | None:
     return fp.as_dict()
 
 
-def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> int:
+def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> tuple[int, float]:
+    """Runs the forwards of `todo`'s shards and hands each shard to the writer; returns the real tokens done and
+    the time (perf_counter) at which the last batch's hidden states were on the host."""
     T, W = spec.seq_len, spec.row_width
     cuda = dev.type == "cuda"
     free: queue.Queue[int] = queue.Queue()
@@ -338,11 +344,12 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                 done += real
                 bar.update(real)
             pending.append((shard, slot, arrays, copied[(nbatch - 1) % len(gbufs)] if cuda else None))
-        flush(block=True)
+        flush(block=True)  # waits for the last copy to the host
+        last_batch_t = time.perf_counter()
         writer.wait()
     finally:
         bar.close()
-    return done
+    return done, last_batch_t
 
 
 def _compiled_target(target, spec, plan, docs, pad_id, shard, batch_rows, dev):

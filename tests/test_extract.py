@@ -406,6 +406,7 @@ def test_cli_cache_matches_library_and_target(work, targets, data_path, ref_cach
     assert s["rows"] == len(plan) and s["shards"] == n_shards and s["data"] == data.counts()
     assert s["layer_ids"] == LAYERS and s["cache_complete"] and s["real_tokens"] == data.tokens
     assert s["tokens_this_rank"] == data.tokens and cache.metadata["info"]["run"]["batch_rows"] == BATCH_ROWS
+    assert 0 < s["tail_s"] < s["elapsed_s"]  # the last shard's write, after its batch, inside the timed job
 
     # every row: input ids, loss mask and document ids exactly as tokenize_dataset + pack + materialize make them
     assert len(cache) == len(plan) and cache.real_tokens == data.tokens
