@@ -14,7 +14,11 @@ In one run, on the same packed rows:
      layers (synchronous copies), tokens/s and bytes per token.
   4. the compiled target forward (extract/compiled.py): its pure forward + capture, its first-batch check
      against eager (per-layer errors vs a float32 reference), and end to end with --compile off and on
-     (--compile-modes) to /dev/shm and to disk; each run's compile seconds are reported apart.
+     (--compile-modes) to /dev/shm and to disk; each run's compile seconds are reported apart, and its tail
+     (the last shard's encoding and write after the last forward) with the rate without it.
+The compiled forward against the eager one, with capture, on one host and nothing else (issue 17's bound):
+    python bench/extract.py --chats 300 --skip peer,shm,disk --forward-modes flex-capture --json out.json
+--json is rewritten after every measurement, so a run cut by a time limit keeps what it measured.
 Speed does not depend on the weights, so the target is random (built on the GPU, saved once).
 """
 
@@ -141,10 +145,18 @@ def main():
     ap.add_argument("--peer-rows", type=int, default=32, help="rows for the torch.save comparison")
     ap.add_argument("--skip", default="", help="comma list of parts to skip: forward,compiled,shm,disk,peer")
     ap.add_argument("--compile-modes", default="off,on", help="end-to-end runs with these --compile values")
+    ap.add_argument("--forward-modes", default="causal,flex,flex-capture,sdpa",
+                    help="pure eager forwards to time (flex-capture is the one extract runs; the others explain it)")
     ap.add_argument("--hidden-dtypes", default="bf16", help="comma list of stored hidden dtypes for step 2: bf16,fp8,fp4")
     ap.add_argument("--json")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
+
+    def save(res: dict) -> None:  # after every measurement: a run cut by a time limit keeps what it measured
+        if a.json:
+            with open(a.json + ".tmp", "w") as f:
+                json.dump(res, f, indent=2)
+            os.replace(a.json + ".tmp", a.json)
     from dflash.extract.run import ExtractConfig, run_extract
     from dflash.extract.target import PackedTarget
     from dflash.core.layers import default_layer_ids
@@ -168,19 +180,27 @@ def main():
     if "forward" not in skip or "peer" not in skip or "compiled" not in skip:
         pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="flex")
         if "forward" not in skip:
+            fmodes = set(a.forward_modes.split(","))
             for mode, cap in (("causal", False), ("flex", False), ("flex", True)):
+                if mode + ("-capture" if cap else "") not in fmodes:
+                    continue
                 tps = forward_speed(pt, rows, a.batch_rows, mode, cap)
                 name = {"causal": "pure forward, plain causal (no document mask)",
                         "flex": "pure forward, flex document mask"}[mode] + (" + capture into GPU buffer" if cap else "")
                 table_rows.append({"what": name, "tok_s": tps})
                 res[f"forward_{mode}{'_capture' if cap else ''}_tok_s"] = tps
                 print(table_rows[-1], flush=True)
+                save(res)
         if "compiled" not in skip:
             tps, res["compile_check"] = compiled_speed(pt, rows, a.batch_rows)
             print({"compile_check": res["compile_check"]}, flush=True)
             res["forward_flex_capture_compiled_tok_s"] = tps
             table_rows.append({"what": "pure forward, flex document mask + capture, compiled", "tok_s": tps})
+            if "forward_flex_capture_tok_s" in res:  # the forwards' own ratio bounds the end-to-end one
+                table_rows[-1]["vs_eager_forward"] = tps / res["forward_flex_capture_tok_s"]
+                res["compiled_vs_eager_forward"] = table_rows[-1]["vs_eager_forward"]
             print(table_rows[-1], flush=True)
+            save(res)
         if "peer" not in skip:
             peer = peer_torch_save(pt, rows, plan, docs, a.batch_rows, os.path.join(a.shm_dir, "peer"), a.peer_rows)
             res["peer"] = peer
@@ -191,7 +211,7 @@ def main():
         del pt
         torch.cuda.empty_cache()
         pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="sdpa")
-        if "forward" not in skip:
+        if "forward" not in skip and "sdpa" in a.forward_modes.split(","):
             tps = forward_speed(pt, rows, a.batch_rows, "sdpa", False)
             res["forward_sdpa_tok_s"] = tps
             table_rows.append({"what": "pure forward, SDPA 4D document mask", "tok_s": tps})
@@ -235,15 +255,14 @@ def main():
             res[f"{key}_{comp}"] = {**r, "compile_report": s["compile"]}
             table_rows.append(r)
             print(r, flush=True)
+            save(res)
             shutil.rmtree(out, ignore_errors=True)
 
     print(f"\nhardware: {res['hardware']}, torch {res['torch']}; {a.shape}-shaped random target, T={a.seq_len}, "
           f"K={len(layer_ids)} layers {layer_ids}, {res['rows']} rows, {real:,} real tokens")
-    print(table(table_rows, ["what", "tok_s", "vs_pure_forward", "vs_compile_off", "bytes_per_token", "write_GB_s",
-                             "elapsed_s", "compile_s", "tail_s", "tok_s_before_tail"]))
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=2)
+    print(table(table_rows, ["what", "tok_s", "vs_eager_forward", "vs_pure_forward", "vs_compile_off", "bytes_per_token",
+                             "write_GB_s", "elapsed_s", "compile_s", "tail_s", "tok_s_before_tail"]))
+    save(res)
 
 
 if __name__ == "__main__":
