@@ -94,6 +94,9 @@ def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=No
     return real / (time.perf_counter() - t)
 
 
+FORWARD_MODES = {"causal", "flex", "flex-capture", "sdpa"}  # --forward-modes
+
+
 def compiled_speed(pt, rows, batch_rows: int) -> tuple[float, dict]:
     """(real tokens/s, first-batch check) of extract/compiled.py's CompiledTarget: compiled, checked against eager on
     the first batch_rows rows, then timed by forward_speed (flex mask + capture). Inductor's global config (e.g.
@@ -151,6 +154,9 @@ def main():
     ap.add_argument("--json")
     a = ap.parse_args()
     skip = set(filter(None, a.skip.split(",")))
+    fmodes = set() if "forward" in skip else set(filter(None, a.forward_modes.split(",")))
+    if fmodes - FORWARD_MODES:
+        raise SystemExit(f"--forward-modes: unknown {sorted(fmodes - FORWARD_MODES)}; choose from {sorted(FORWARD_MODES)}")
 
     def save(res: dict) -> None:  # after every measurement: a run cut by a time limit keeps what it measured
         if a.json:
@@ -177,13 +183,10 @@ def main():
     print(f"{len(plan)} rows x {a.seq_len}, {real:,} real tokens, padding {100 * res['padding']:.2f}%", flush=True)
 
     table_rows = []
-    if "forward" not in skip or "peer" not in skip or "compiled" not in skip:
+    if fmodes - {"sdpa"} or "peer" not in skip or "compiled" not in skip:
         pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="flex")
-        if "forward" not in skip:
-            fmodes = set(a.forward_modes.split(","))
-            for mode, cap in (("causal", False), ("flex", False), ("flex", True)):
-                if mode + ("-capture" if cap else "") not in fmodes:
-                    continue
+        for mode, cap in (("causal", False), ("flex", False), ("flex", True)):
+            if mode + ("-capture" if cap else "") in fmodes:
                 tps = forward_speed(pt, rows, a.batch_rows, mode, cap)
                 name = {"causal": "pure forward, plain causal (no document mask)",
                         "flex": "pure forward, flex document mask"}[mode] + (" + capture into GPU buffer" if cap else "")
@@ -210,12 +213,13 @@ def main():
             shutil.rmtree(os.path.join(a.shm_dir, "peer"), ignore_errors=True)
         del pt
         torch.cuda.empty_cache()
+    if "sdpa" in fmodes:  # the target loaded again only when its SDPA forward is timed
         pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="sdpa")
-        if "forward" not in skip and "sdpa" in a.forward_modes.split(","):
-            tps = forward_speed(pt, rows, a.batch_rows, "sdpa", False)
-            res["forward_sdpa_tok_s"] = tps
-            table_rows.append({"what": "pure forward, SDPA 4D document mask", "tok_s": tps})
-            print(table_rows[-1], flush=True)
+        tps = forward_speed(pt, rows, a.batch_rows, "sdpa", False)
+        res["forward_sdpa_tok_s"] = tps
+        table_rows.append({"what": "pure forward, SDPA 4D document mask", "tok_s": tps})
+        print(table_rows[-1], flush=True)
+        save(res)
         del pt
         torch.cuda.empty_cache()
 
