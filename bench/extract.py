@@ -97,16 +97,17 @@ def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=No
 FORWARD_MODES = {"causal", "flex", "flex-capture", "sdpa"}  # --forward-modes
 
 
-def compiled_speed(pt, rows, batch_rows: int) -> tuple[float, dict]:
+def compiled_speed(pt, rows, batch_rows: int, return_runner: bool = False, split_attention: bool = True):
     """(real tokens/s, first-batch check) of extract/compiled.py's CompiledTarget: compiled, checked against eager on
     the first batch_rows rows, then timed by forward_speed (flex mask + capture). Inductor's global config (e.g.
     freezing) applies as set by the caller."""
     from dflash.extract.compiled import CompiledTarget, check_compiled
 
-    runner = CompiledTarget(pt)
+    runner = CompiledTarget(pt, split_attention=split_attention)
     first = [torch.from_numpy(rows[k][:batch_rows]).to("cuda", torch.long) for k in ("input_ids", "position_ids", "doc_ids")]
     check = check_compiled(pt, runner, *first)
-    return forward_speed(pt, rows, batch_rows, "flex", True, runner=runner), check
+    tps = forward_speed(pt, rows, batch_rows, "flex", True, runner=runner)
+    return (tps, check, runner) if return_runner else (tps, check)
 
 
 def peer_torch_save(pt, rows, plan, docs, batch_rows: int, out_dir: str, max_rows: int) -> dict:

@@ -5,12 +5,19 @@ forward past 1.12x eager?).
     python bench/extract_variants.py --variants eager8,freeze8 --chats 300 --json v.json
 
 A variant is KIND + batch rows: eager (PackedTarget.run), default (extract/compiled.py's CompiledTarget as
-`dflash extract` runs it), freeze (the same with inductor's `freezing`: weights become constants, so inductor may
-fold them and fuse the linear layers that share an input, q/k/v and gate/up, into one matmul each). Each compiled
+`dflash extract` runs it: attention outside the graph), whole (one graph for the whole model, flex attention
+inside it: inductor folds the q/k norms and rotary embedding into the flex kernel), freeze (the default with inductor's `freezing`: weights
+become constants, so inductor may fold them and fuse the linear layers that share an input, q/k/v and gate/up,
+into one matmul each). Each compiled
 variant is checked on the first batch against eager and a float32 reference (extract/compiled.py's check) and then
 timed over every batch of the rows (bench/extract.py's forward_speed: inputs already on the device, one warm-up
 batch, synchronised timers). The Qwen3-8B-shaped target is random (speed does not depend on the weights) and
 built once in --dir.
+
+--profile runs torch.profiler over two more batches of each variant and splits the GPU time into matmuls,
+attention (flex), the other fused kernels, copies and the rest; with the target's linear FLOPs this gives the
+matmuls' own rate. --matmul times each linear layer's shape alone (torch.mm, bf16, M = rows x seq_len): the
+chip's rate on exactly these matmuls, so what the forward leaves on the table is measured, not assumed.
 """
 
 from __future__ import annotations
@@ -28,12 +35,88 @@ from bench.common import QWEN3_8B, hardware, random_target_dir, synthetic_chats,
 from bench.extract import compiled_speed, forward_speed, packed_rows  # noqa: E402
 
 
+def _category(name: str) -> str:
+    n = name.lower()
+    if "flex" in n or "attention" in n or "triton_tem" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_", "sm100_")):
+        return "matmul"
+    if "memcpy" in n or "memset" in n or "copy" in n:
+        return "copy"
+    if n.startswith("triton") or "elementwise" in n or "reduce" in n:
+        return "fused/elementwise"
+    return "other"
+
+
+def linear_flops_per_row_token(model) -> int:
+    """2 x the weights of every linear layer: the matmul FLOPs per token (padding included: it is computed)."""
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def profile_forward(one, batches, flops_per_token: int, tokens_per_batch: int) -> dict:
+    """GPU time by kernel category over len(batches) forwards (torch.profiler), and the matmuls' own TFLOP/s."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            one(b)
+        torch.cuda.synchronize()
+    cats: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us <= 0:
+            continue
+        cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + us
+        kernels.append((us, e.key[:90], e.count))
+    total = sum(cats.values())
+    if not total:
+        raise RuntimeError("the profiler saw no GPU kernels")
+    kernels.sort(reverse=True)
+    mm_s = cats.get("matmul", 0.0) / 1e6
+    return {"gpu_ms_per_batch": total / 1e3 / len(batches),
+            "share": {k: v / total for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "matmul_TFLOP_s": flops_per_token * tokens_per_batch * len(batches) / mm_s / 1e12 if mm_s else None,
+            "top_kernels": [{"ms_per_batch": us / 1e3 / len(batches), "calls_per_batch": c / len(batches), "name": k}
+                            for us, k, c in kernels[:20]]}
+
+
+def matmul_rate(model, M: int) -> dict:
+    """torch.mm (bf16) alone on each distinct linear shape of the model at M rows: the chip's rate on them."""
+    shapes: dict[tuple, int] = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    flops = secs = 0.0
+    per = []
+    for (n, k), count in shapes.items():
+        a = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ w.t()
+        torch.cuda.synchronize()
+        reps = 20
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ w.t()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / reps
+        per.append({"shape": f"{M}x{k} @ {k}x{n}", "layers": count, "TFLOP_s": 2 * M * n * k / dt / 1e12})
+        flops += 2 * M * n * k * count
+        secs += dt * count
+        del a, w
+    return {"M": M, "per_shape": per, "TFLOP_s": flops / secs / 1e12, "ms_all_linear": secs * 1e3}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="eager4,default4,freeze4", help="comma list of KIND+ROWS: eager|default|freeze")
+    ap.add_argument("--variants", default="eager4,default4,freeze4", help="comma list of KIND+ROWS: eager|default|whole|freeze")
     ap.add_argument("--chats", type=int, default=300, help="synthetic chats (~900 tokens mean, log-normal)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--dir", default="/dev/shm/dflash-bench-variants", help="where the random target is built")
+    ap.add_argument("--profile", action="store_true", help="split each variant's GPU time by kernel category")
+    ap.add_argument("--matmul", action="store_true", help="time the target's linear shapes alone (torch.mm)")
     ap.add_argument("--json")
     a = ap.parse_args()
     import torch._inductor.config as inductor_config
@@ -48,21 +131,54 @@ def main():
     pt = PackedTarget(target, default_layer_ids(QWEN3_8B["num_hidden_layers"]), device="cuda", dtype=torch.bfloat16,
                       attn="flex")
     res: dict = {"hardware": hardware(), "torch": torch.__version__, "rows": len(plan), "variants": {}}
+    flops_tok = linear_flops_per_row_token(pt.model)
+    res["linear_GFLOP_per_token"] = flops_tok / 1e9
+
+    def save():
+        if a.json:
+            with open(a.json + ".tmp", "w") as f:
+                json.dump(res, f, indent=2)
+            os.replace(a.json + ".tmp", a.json)
+
+    if a.matmul:
+        for batch in sorted({int(v[len(v.rstrip("0123456789")):] or 4) for v in a.variants.split(",")}):
+            res[f"matmul_rate_{batch}"] = mr = matmul_rate(pt.model, batch * a.seq_len)
+            print({"matmul_rate": mr}, flush=True)
+            save()
     out = []
     for v in a.variants.split(","):
         kind, batch = v.rstrip("0123456789"), int(v[len(v.rstrip("0123456789")):] or 4)
-        if kind not in ("eager", "default", "freeze"):
-            raise SystemExit(f"--variants: {v!r}: the kind must be eager, default or freeze")
+        if kind not in ("eager", "default", "whole", "freeze"):
+            raise SystemExit(f"--variants: {v!r}: the kind must be eager, default, whole or freeze")
         t0 = time.perf_counter()
         r: dict = {"variant": v}
+        runner = None
         if kind == "eager":
             r["tok_s"] = forward_speed(pt, rows, batch, "flex", True)
         else:
             torch._dynamo.reset()
             inductor_config.freezing = kind == "freeze"
-            tok_s, chk = compiled_speed(pt, rows, batch)
+            if kind == "whole":  # undo a split made by an earlier variant
+                pt.model.config._attn_implementation = "flex_attention"
+            tok_s, chk, runner = compiled_speed(pt, rows, batch, return_runner=True, split_attention=kind != "whole")
             r.update(tok_s=tok_s, check_passed=chk["passed"], first_call_s=chk["first_call_s"],
                      worst_of_tolerance=max(c / t for c, t in zip(chk["err_compiled_vs_ref"], chk["tolerance"])))
+        if a.profile:
+            T = rows["input_ids"].shape[1]
+            out_buf = torch.empty(batch, T, len(pt.layer_ids) * pt.hidden_size, dtype=torch.bfloat16, device="cuda")
+            bs = [{k: torch.from_numpy(rows[k][i:i + batch]).to("cuda", torch.long)
+                   for k in ("input_ids", "position_ids", "doc_ids")} for i in (0, batch)]
+
+            def one(b, runner=runner, out_buf=out_buf):
+                with torch.inference_mode():
+                    (runner or pt).run(b["input_ids"], b["position_ids"], b["doc_ids"], out_buf)
+
+            try:  # a profiler failure must not lose the variants still to run
+                r["profile"] = profile_forward(one, bs, flops_tok, batch * T)
+            except Exception as e:  # noqa: BLE001
+                r["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            print({"profile": r["profile"]}, flush=True)
+            del runner, out_buf, bs
         r.update(wall_s=time.perf_counter() - t0, peak_GB=torch.cuda.max_memory_allocated() / 1e9)
         torch.cuda.empty_cache()
         eager = next((x["tok_s"] for x in out if x["variant"] == f"eager{batch}"), None)
@@ -70,10 +186,8 @@ def main():
             r["vs_eager"] = r["tok_s"] / eager
         out.append(r)
         res["variants"][v] = r
-        print(r, flush=True)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=2)
+        print({k: v for k, v in r.items() if k != "profile"}, flush=True)
+        save()
     print(table(out, ["variant", "tok_s", "vs_eager", "check_passed", "worst_of_tolerance", "first_call_s", "wall_s",
                       "peak_GB"]))
 

@@ -8,6 +8,14 @@ Contract:
     capture hooks and document mask as the eager path; on the GPU the flex document mask). Rows have a fixed
     shape, so it compiles once per (rows, seq_len) (on the GPU every batch has batch_rows rows). The hooks write
     into one fixed buffer per shape, copied into `out` after the forward (the graph's inputs keep one identity).
+  * With the flex mask, attention stays outside the compiled graph (`split_flex_attention`): the model's
+    attention implementation becomes SPLIT_ATTN, HF's flex attention behind `torch.compiler.disable`, so each
+    layer's attention runs HF's own separately compiled flex kernel (as the eager forward does) and the rest of
+    the layer is compiled around it (one graph break per layer). Why: inside one whole-model graph inductor
+    fuses the q/k RMSNorm and rotary embedding into the flex kernel, and that kernel took 151 ms of a 485 ms
+    forward where the eager forward's flex kernel took 61 ms (H200, Qwen3-8B shape, 4 rows of 4096;
+    BENCHMARKS.md, "The compiled forward's attention"). Inductor's `prologue_fusion = False` does not stop it
+    (measured). Outside compilation the wrapper is the plain flex call, so the eager path is unchanged.
   * `check_compiled` runs the first batch three ways: eager, compiled, and (for a bf16 target) eager with the
     weights temporarily in float32, the reference. Per captured layer k, over real tokens:
         err_eager_k    = ||eager_k - ref_k|| / ||ref_k||      (what bf16 rounding alone costs)
@@ -32,13 +40,28 @@ from .target import PackedTarget, packed_block_mask, packed_causal_mask
 
 FACTOR = 2.0
 FLOOR = 1e-3
+SPLIT_ATTN = "dflash_flex_outside_graph"  # the attention implementation name of split_flex_attention
+
+
+def split_flex_attention(model) -> bool:
+    """Makes `model` (an HF model on flex attention) run its attention outside any compiled graph (module
+    docstring); True if it did, False if the model does not use flex attention."""
+    if model.config._attn_implementation not in ("flex_attention", SPLIT_ATTN):
+        return False
+    from transformers import AttentionInterface
+    from transformers.integrations.flex_attention import flex_attention_forward
+
+    AttentionInterface.register(SPLIT_ATTN, torch.compiler.disable(flex_attention_forward))
+    model.config._attn_implementation = SPLIT_ATTN
+    return True
 
 
 class CompiledTarget:
     """PackedTarget.run through a torch.compile'd model (module docstring)."""
 
-    def __init__(self, target: PackedTarget, mode: str | None = None):
+    def __init__(self, target: PackedTarget, mode: str | None = None, split_attention: bool = True):
         self.target = target
+        self.split_attention = split_attention and split_flex_attention(target.model)
         self.model = torch.compile(target.model, dynamic=False, mode=mode)
         self.bufs: dict[tuple, torch.Tensor] = {}
 
