@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -324,6 +325,8 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
                 out = gbufs[b][:rows]
                 target.run(ids, pos, doc, out)
+                if nbatch == 0:  # every kernel this job runs is now built (fixed shapes)
+                    _release_compile_workers()
                 src = [out[: j - i]]
                 if spec.quantized:  # on the device, before the copy: the host gets bytes + scales
                     src = [qb[: j - i] for qb in qbufs[b]]
@@ -350,6 +353,17 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     finally:
         bar.close()
     return done, last_batch_t
+
+
+def _release_compile_workers() -> None:
+    """Stops inductor's compile worker processes once the job's kernels are built. Inductor starts one per core
+    at its first compile (here: the compiled target, or the eager forward's flex kernel) and keeps them for a
+    minute after the last; they hold memory and, while they start, every core, which the compression threads
+    need. On a GPU nothing compiles after the first batch (every batch there has one shape); a later compile
+    (a CPU job's short last batch) would start them again."""
+    ac = sys.modules.get("torch._inductor.async_compile")
+    if ac is not None:
+        ac.shutdown_compile_workers()
 
 
 def _compiled_target(target, spec, plan, docs, pad_id, shard, batch_rows, dev):

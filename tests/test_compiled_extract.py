@@ -85,3 +85,56 @@ def test_a_wrong_compiled_forward_is_caught_and_the_run_continues_eagerly(tiny, 
     assert a.complete and b.complete and sorted(a.commits) == sorted(b.commits)
     for s in a.commits:
         assert a.commits[s]["crc32"] == b.commits[s]["crc32"], f"shard {s} differs from the eager run's"
+
+
+def test_flex_attention_runs_outside_the_compiled_graph(tiny):
+    """With the flex document mask, the compiled target keeps each layer's attention out of its graph (one graph
+    break per layer: HF's own flex call, as in eager) and still equals eager in float32; the eager path through
+    the same model is unchanged by the switch."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    target = PackedTarget(tiny[0], [1, 3, 5], device="cpu", dtype=torch.float32, attn="flex")
+    ids, pos, doc = _batch()
+    before = target.run(ids, pos, doc, torch.zeros(2, 64, 192)).clone()
+    torch._dynamo.reset()
+    counters.clear()
+    runner, report = ec.compiled_or_eager(target, (ids, pos, doc))
+    assert report["compiled"] and report["passed"], report
+    assert runner.split_attention and target.model.config._attn_implementation == ec.SPLIT_ATTN
+    layers = target.model.config.num_hidden_layers
+    assert counters["stats"]["unique_graphs"] >= layers + 1, dict(counters["stats"])
+    assert max(report["err_compiled_vs_ref"]) < 1e-5
+    torch.testing.assert_close(runner.run(ids, pos, doc, torch.zeros(2, 64, 192)), before, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(target.run(ids, pos, doc, torch.zeros(2, 64, 192)), before, rtol=0, atol=0)
+    # the whole-graph variant (bench/extract_variants.py's "whole") is one graph
+    target.model.config._attn_implementation = "flex_attention"
+    torch._dynamo.reset()
+    counters.clear()
+    whole = ec.CompiledTarget(target, split_attention=False)
+    torch.testing.assert_close(whole.run(ids, pos, doc, torch.zeros(2, 64, 192)), before, rtol=1e-5, atol=1e-5)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_compile_workers_are_stopped_after_the_first_batch(tiny, tmp_path, monkeypatch):
+    """Inductor's compile worker pool (a real one, two workers) is shut down by the extraction's release, and
+    the extraction calls that release once, after its first batch."""
+    import torch._inductor.async_compile as ac
+    import torch._inductor.config as ic
+
+    import dflash.extract.run as er
+
+    with ic.patch(compile_threads=2):  # (inductor's own patch: its config module restores itself)
+        ac.AsyncCompile.warm_pool()
+        assert len(ac._pool_set) == 1
+        er._release_compile_workers()
+        assert len(ac._pool_set) == 0
+
+    calls = []
+    real = er._release_compile_workers
+    monkeypatch.setattr(er, "_release_compile_workers", lambda: calls.append(1) or real())
+    path, data, _ = tiny
+    res = run_extract(ExtractConfig(target=path, data=data, out=str(tmp_path / "c"), seq_len=256, rows_per_shard=4,
+                                    batch_rows=2, layers=[1, 3], writer_threads=2, progress=False,
+                                    tokenize_cache="off", device="cpu", compile="off"))
+    assert res["rows"] >= 4 and calls == [1]
