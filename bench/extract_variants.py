@@ -1,17 +1,16 @@
-"""The extraction target's pure forward + capture under torch.compile variants (issue 17: what lifts the compiled
-forward past 1.12x eager?).
+"""The extraction target's pure forward + capture under torch.compile variants (issue 17: where the compiled
+forward's time goes, and what lifts it).
 
-    python bench/extract_variants.py                                  # eager4,default4,freeze4 on one GPU
-    python bench/extract_variants.py --variants eager8,freeze8 --chats 300 --json v.json
+    python bench/extract_variants.py                                  # eager4,default4,whole4 on one GPU
+    python bench/extract_variants.py --variants eager4,default4 --profile --matmul --json v.json
 
 A variant is KIND + batch rows: eager (PackedTarget.run), default (extract/compiled.py's CompiledTarget as
 `dflash extract` runs it: attention outside the graph), whole (one graph for the whole model, flex attention
-inside it: inductor folds the q/k norms and rotary embedding into the flex kernel), freeze (the default with inductor's `freezing`: weights
-become constants, so inductor may fold them and fuse the linear layers that share an input, q/k/v and gate/up,
-into one matmul each). Each compiled
-variant is checked on the first batch against eager and a float32 reference (extract/compiled.py's check) and then
-timed over every batch of the rows (bench/extract.py's forward_speed: inputs already on the device, one warm-up
-batch, synchronised timers). The Qwen3-8B-shaped target is random (speed does not depend on the weights) and
+inside it: inductor folds the q/k norms and rotary embedding into the flex kernel), freeze (the default with
+inductor's `freezing`: weights become constants, so inductor may fold them and fuse the linear layers that share
+an input, q/k/v and gate/up, into one matmul each). Each compiled variant is checked on the first batch against
+eager and a float32 reference (extract/compiled.py's check) and then timed over every batch of the rows
+(bench/extract.py's forward_speed: inputs already on the device, one warm-up batch, synchronised timers). The Qwen3-8B-shaped target is random (speed does not depend on the weights) and
 built once in --dir.
 
 --profile runs torch.profiler over two more batches of each variant and splits the GPU time into matmuls,
@@ -111,7 +110,8 @@ def matmul_rate(model, M: int) -> dict:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--variants", default="eager4,default4,freeze4", help="comma list of KIND+ROWS: eager|default|whole|freeze")
+    ap.add_argument("--variants", default="eager4,default4,whole4",
+                    help="comma list of KIND+ROWS: eager|default|whole|freeze")
     ap.add_argument("--chats", type=int, default=300, help="synthetic chats (~900 tokens mean, log-normal)")
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--dir", default="/dev/shm/dflash-bench-variants", help="where the random target is built")
