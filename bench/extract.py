@@ -25,14 +25,11 @@ Speed does not depend on the weights, so the target is random (built on the GPU,
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
-import tempfile
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -55,6 +52,11 @@ def packed_rows(target: str, data: str, seq_len: int):
     return materialize(plan, docs.docs, seq_len, tok.pad_token_id or 0, 0, len(plan)), docs, plan
 
 
+def device_batch(rows, i: int, n: int, dev) -> dict:
+    """Rows i..i+n of the packed rows (input_ids, position_ids, doc_ids) as long tensors on dev."""
+    return {k: torch.from_numpy(rows[k][i:i + n]).to(dev, torch.long) for k in ("input_ids", "position_ids", "doc_ids")}
+
+
 def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=None) -> float:
     """Real tokens/s of the target over all rows; mode: flex | sdpa (document masks) | causal (no mask)."""
     from dflash.extract.target import packed_block_mask, packed_causal_mask
@@ -64,10 +66,7 @@ def forward_speed(pt, rows, batch_rows: int, mode: str, capture: bool, runner=No
     T = rows["input_ids"].shape[1]
     W = len(pt.layer_ids) * pt.hidden_size
     out = torch.empty(batch_rows, T, W, dtype=torch.bfloat16, device=dev)
-    batches = []
-    for i in range(0, n - batch_rows + 1, batch_rows):
-        batches.append({k: torch.from_numpy(rows[k][i:i + batch_rows]).to(dev, torch.long)
-                        for k in ("input_ids", "position_ids", "doc_ids")})
+    batches = [device_batch(rows, i, batch_rows, dev) for i in range(0, n - batch_rows + 1, batch_rows)]
     real = sum(int((b["doc_ids"] > 0).sum()) for b in batches)
 
     def one(b):
@@ -104,8 +103,8 @@ def compiled_speed(pt, rows, batch_rows: int, return_runner: bool = False, split
     from dflash.extract.compiled import CompiledTarget, check_compiled
 
     runner = CompiledTarget(pt, split_attention=split_attention)
-    first = [torch.from_numpy(rows[k][:batch_rows]).to("cuda", torch.long) for k in ("input_ids", "position_ids", "doc_ids")]
-    check = check_compiled(pt, runner, *first)
+    first = device_batch(rows, 0, batch_rows, "cuda")
+    check = check_compiled(pt, runner, first["input_ids"], first["position_ids"], first["doc_ids"])
     tps = forward_speed(pt, rows, batch_rows, "flex", True, runner=runner)
     return (tps, check, runner) if return_runner else (tps, check)
 
@@ -161,9 +160,8 @@ def main():
 
     def save(res: dict) -> None:  # after every measurement: a run cut by a time limit keeps what it measured
         if a.json:
-            with open(a.json + ".tmp", "w") as f:
-                json.dump(res, f, indent=2)
-            os.replace(a.json + ".tmp", a.json)
+            atomic_json(a.json, res)
+    from dflash.core.io import atomic_json
     from dflash.extract.run import ExtractConfig, run_extract
     from dflash.extract.target import PackedTarget
     from dflash.core.layers import default_layer_ids

@@ -10,8 +10,8 @@ inside it: inductor folds the q/k norms and rotary embedding into the flex kerne
 inductor's `freezing`: weights become constants, so inductor may fold them and fuse the linear layers that share
 an input, q/k/v and gate/up, into one matmul each). Each compiled variant is checked on the first batch against
 eager and a float32 reference (extract/compiled.py's check) and then timed over every batch of the rows
-(bench/extract.py's forward_speed: inputs already on the device, one warm-up batch, synchronised timers). The Qwen3-8B-shaped target is random (speed does not depend on the weights) and
-built once in --dir.
+(bench/extract.py's forward_speed: inputs already on the device, one warm-up batch, synchronised timers). The
+Qwen3-8B-shaped target is random (speed does not depend on the weights) and built once in --dir.
 
 --profile runs torch.profiler over two more batches of each variant and splits the GPU time into matmuls,
 attention (flex), the other fused kernels, copies and the rest; with the target's linear FLOPs this gives the
@@ -22,7 +22,6 @@ chip's rate on exactly these matmuls, so what the forward leaves on the table is
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -31,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import QWEN3_8B, hardware, random_target_dir, synthetic_chats, table, write_jsonl  # noqa: E402
-from bench.extract import compiled_speed, forward_speed, packed_rows  # noqa: E402
+from bench.extract import compiled_speed, device_batch, forward_speed, packed_rows  # noqa: E402
 
 
 def _category(name: str) -> str:
@@ -121,6 +120,8 @@ def main():
     a = ap.parse_args()
     import torch._inductor.config as inductor_config
 
+    from dflash.core.io import atomic_json
+
     from dflash.core.layers import default_layer_ids
     from dflash.extract.target import PackedTarget
 
@@ -136,20 +137,21 @@ def main():
 
     def save():
         if a.json:
-            with open(a.json + ".tmp", "w") as f:
-                json.dump(res, f, indent=2)
-            os.replace(a.json + ".tmp", a.json)
+            atomic_json(a.json, res)
 
+    variants = []  # (name, kind, batch rows)
+    for v in a.variants.split(","):
+        kind = v.rstrip("0123456789")
+        if kind not in ("eager", "default", "whole", "freeze"):
+            raise SystemExit(f"--variants: {v!r}: the kind must be eager, default, whole or freeze")
+        variants.append((v, kind, int(v[len(kind):] or 4)))
     if a.matmul:
-        for batch in sorted({int(v[len(v.rstrip("0123456789")):] or 4) for v in a.variants.split(",")}):
+        for batch in sorted({b for _, _, b in variants}):
             res[f"matmul_rate_{batch}"] = mr = matmul_rate(pt.model, batch * a.seq_len)
             print({"matmul_rate": mr}, flush=True)
             save()
     out = []
-    for v in a.variants.split(","):
-        kind, batch = v.rstrip("0123456789"), int(v[len(v.rstrip("0123456789")):] or 4)
-        if kind not in ("eager", "default", "whole", "freeze"):
-            raise SystemExit(f"--variants: {v!r}: the kind must be eager, default, whole or freeze")
+    for v, kind, batch in variants:
         t0 = time.perf_counter()
         r: dict = {"variant": v}
         runner = None
@@ -166,8 +168,7 @@ def main():
         if a.profile:
             T = rows["input_ids"].shape[1]
             out_buf = torch.empty(batch, T, len(pt.layer_ids) * pt.hidden_size, dtype=torch.bfloat16, device="cuda")
-            bs = [{k: torch.from_numpy(rows[k][i:i + batch]).to("cuda", torch.long)
-                   for k in ("input_ids", "position_ids", "doc_ids")} for i in (0, batch)]
+            bs = [device_batch(rows, i, batch, "cuda") for i in (0, batch)]
 
             def one(b, runner=runner, out_buf=out_buf):
                 with torch.inference_mode():
