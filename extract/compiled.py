@@ -62,6 +62,7 @@ class CompiledTarget:
     def __init__(self, target: PackedTarget, mode: str | None = None, split_attention: bool = True):
         self.target = target
         self.split_attention = split_attention and split_flex_attention(target.model)
+        target.capture.hooks_outside_graph(self.split_attention)
         self.model = torch.compile(target.model, dynamic=False, mode=mode)
         self.bufs: dict[tuple, torch.Tensor] = {}
 

@@ -116,6 +116,28 @@ def test_flex_attention_runs_outside_the_compiled_graph(tiny):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+def test_capture_hooks_compile_nothing_with_split_attention(tiny):
+    """With attention outside the graph every layer is its own frame, and so would be each capture hook,
+    specialised on its layer index (on the H200 the five hooks ran into dynamo's recompile limit). They run
+    behind torch.compiler.disable: capturing three layers compiles no more graphs than capturing one."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    graphs = {}
+    for layers in ([1], [1, 3, 5]):
+        target = PackedTarget(tiny[0], layers, device="cpu", dtype=torch.float32, attn="flex")
+        torch._dynamo.reset()
+        counters.clear()
+        runner, report = ec.compiled_or_eager(target, _batch())
+        assert report["compiled"] and report["passed"], report
+        ref = target.run(*_batch(), torch.zeros(2, 64, 64 * len(layers)))
+        for _ in range(2):
+            torch.testing.assert_close(runner.run(*_batch(), torch.zeros(2, 64, 64 * len(layers))), ref,
+                                       rtol=1e-5, atol=1e-5)
+        graphs[len(layers)] = counters["stats"]["unique_graphs"]
+    assert graphs[3] == graphs[1], graphs
+
+
 def test_compile_workers_are_stopped_after_the_first_batch(tiny, tmp_path, monkeypatch):
     """Inductor's compile worker pool (a real one, two workers) is shut down by the extraction's release, and
     the extraction calls that release once, after its first batch."""

@@ -267,6 +267,17 @@ class LayerCapture:
         self.final_norm_for = final_norm_for
         self._handles = [self.layers[i].register_forward_hook(self._hook(k, i)) for k, i in enumerate(layer_ids)]
 
+    def hooks_outside_graph(self, on: bool = True) -> None:
+        """Re-registers the hooks behind `torch.compiler.disable` (on) or plain (off). On is for a model compiled
+        with a graph break in every layer (extract/compiled.py's split attention): there each hook is a frame of
+        its own to dynamo, specialised on its layer index k, and the K hooks ran into dynamo's recompile limit
+        (8) for that one code object; eager, a hook is one copy_ either way. Off keeps them inside a whole-model
+        graph."""
+        self.remove()
+        self._handles = [self.layers[i].register_forward_hook(torch.compiler.disable(self._hook(k, i)) if on
+                                                              else self._hook(k, i))
+                         for k, i in enumerate(self.layer_ids)]
+
     def _hook(self, k: int, layer_id: int):
         def fn(module, args, output):
             if self.out is None:
