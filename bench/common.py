@@ -123,3 +123,42 @@ def table(rows: list[dict], cols: list[str]) -> str:
     for r in rows:
         out.append("| " + " | ".join(fmt(r.get(c, "")) for c in cols) + " |")
     return "\n".join(out)
+
+
+def _kernel_category(name: str) -> str:
+    n = name.lower()
+    if "flex" in n or "attention" in n or "triton_tem" in n:
+        return "attention"
+    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_", "sm100_")):
+        return "matmul"
+    if n.startswith("triton"):  # inductor's fused kernels (before "copy": their names often hold _to_copy)
+        return "fused/elementwise"
+    if "memcpy" in n or "memset" in n or "copy" in n:
+        return "copy"
+    if "elementwise" in n or "reduce" in n:
+        return "fused/elementwise"
+    return "other"
+
+
+def kernel_summary(prof, iters: int, matmul_flops: float | None = None, top: int = 20) -> dict:
+    """A finished torch.profiler run's GPU time by kernel category (matmul, attention, fused, copy) per
+    iteration, the top kernels, and the matmuls' own TFLOP/s when their FLOPs over all iterations are given."""
+    cats: dict[str, float] = {}
+    kernels = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
+        if us <= 0:
+            continue
+        cats[_kernel_category(e.key)] = cats.get(_kernel_category(e.key), 0.0) + us
+        kernels.append((us, e.key[:120], e.count))
+    total = sum(cats.values())
+    if not total:
+        raise RuntimeError("the profiler saw no GPU kernels")
+    kernels.sort(reverse=True)
+    mm_s = cats.get("matmul", 0.0) / 1e6
+    return {"gpu_ms_per_iter": total / 1e3 / iters,
+            "ms_per_iter": {k: v / 1e3 / iters for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "share": {k: v / total for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "matmul_TFLOP_s": matmul_flops / mm_s / 1e12 if matmul_flops and mm_s else None,
+            "top_kernels": [{"ms_per_iter": us / 1e3 / iters, "calls_per_iter": c / iters, "name": k}
+                            for us, k, c in kernels[:top]]}

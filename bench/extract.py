@@ -256,6 +256,7 @@ def main():
             if off:
                 r["vs_compile_off"] = r["tok_s"] / off["tok_s"]
             res[f"{key}_{comp}"] = {**r, "compile_report": s["compile"]}
+            res.setdefault("e2e_runs", []).append(r)  # every run in order (a repeated mode keeps all)
             table_rows.append(r)
             print(r, flush=True)
             save(res)

@@ -29,21 +29,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench.common import QWEN3_8B, hardware, random_target_dir, synthetic_chats, table, write_jsonl  # noqa: E402
+from bench.common import (QWEN3_8B, hardware, kernel_summary, random_target_dir, synthetic_chats, table,  # noqa: E402
+                          write_jsonl)
 from bench.extract import compiled_speed, device_batch, forward_speed, packed_rows  # noqa: E402
-
-
-def _category(name: str) -> str:
-    n = name.lower()
-    if "flex" in n or "attention" in n or "triton_tem" in n:
-        return "attention"
-    if any(k in n for k in ("gemm", "xmma", "cutlass", "nvjet", "matmul", "sm90_", "sm100_")):
-        return "matmul"
-    if "memcpy" in n or "memset" in n or "copy" in n:
-        return "copy"
-    if n.startswith("triton") or "elementwise" in n or "reduce" in n:
-        return "fused/elementwise"
-    return "other"
 
 
 def linear_flops_per_row_token(model) -> int:
@@ -60,24 +48,7 @@ def profile_forward(one, batches, flops_per_token: int, tokens_per_batch: int) -
         for b in batches:
             one(b)
         torch.cuda.synchronize()
-    cats: dict[str, float] = {}
-    kernels = []
-    for e in prof.key_averages():
-        us = getattr(e, "self_device_time_total", None) or getattr(e, "self_cuda_time_total", 0)
-        if us <= 0:
-            continue
-        cats[_category(e.key)] = cats.get(_category(e.key), 0.0) + us
-        kernels.append((us, e.key[:90], e.count))
-    total = sum(cats.values())
-    if not total:
-        raise RuntimeError("the profiler saw no GPU kernels")
-    kernels.sort(reverse=True)
-    mm_s = cats.get("matmul", 0.0) / 1e6
-    return {"gpu_ms_per_batch": total / 1e3 / len(batches),
-            "share": {k: v / total for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
-            "matmul_TFLOP_s": flops_per_token * tokens_per_batch * len(batches) / mm_s / 1e12 if mm_s else None,
-            "top_kernels": [{"ms_per_batch": us / 1e3 / len(batches), "calls_per_batch": c / len(batches), "name": k}
-                            for us, k, c in kernels[:20]]}
+    return kernel_summary(prof, len(batches), flops_per_token * tokens_per_batch * len(batches))
 
 
 def matmul_rate(model, M: int) -> dict:

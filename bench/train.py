@@ -3,6 +3,7 @@
     python bench/train.py                       # Qwen3-8B-shaped drafter and the demo-size drafter
     python bench/train.py --shapes demo --steps 40 --json out.json
     python bench/train.py --shapes qwen3-8b --modes compiled:flex --hidden-dtypes bf16,fp8,fp4   # per cache dtype
+    python bench/train.py --shapes qwen3-8b --profile-steps 5 --json p.json   # GPU time by kernel category
 
 Qwen3-8B shape (the peers' offline defaults): 5 layers, H 4096, vocab 151,936, B 16, 4 rows x 3072
 tokens, 512 anchors per row, gamma 7, bf16 weights, fused AdamW. The cache is synthetic (random
@@ -30,7 +31,7 @@ import torch
 import torch._dynamo
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench.common import QWEN3_8B, SMOLLM2, hardware, random_target_dir, table  # noqa: E402
+from bench.common import QWEN3_8B, SMOLLM2, hardware, kernel_summary, random_target_dir, table  # noqa: E402
 
 SHAPES = {
     # name: (target shape, seq_len, rows, anchors, block, drafter layers)
@@ -79,7 +80,7 @@ def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: 
     return path
 
 
-def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16"):
+def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16", profile_steps=0):
     from dflash.train.trainer import Trainer, TrainConfig
 
     _, T, rows, anchors, block, layers = shape
@@ -88,7 +89,28 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
                       batch_rows=rows, max_steps=steps, log_every=log_every, save_every=10**9, compile=compile_,
                       attn=attn, param_dtype=dtype, progress=False, overwrite=True, loader_threads=8)
     tr = Trainer(cfg)
+    prof = None
+    if profile_steps and torch.cuda.is_available():  # the last profile_steps steps under torch.profiler
+        from torch.profiler import ProfilerActivity, profile, schedule
+
+        n = min(profile_steps, steps - 2)
+        prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(skip_first=steps - n - 1, wait=0,
+                                                                              warmup=1, active=n, repeat=1))
+        step, done = tr.train_step, [0]
+
+        def profiled_step(*args, **kw):
+            w = step(*args, **kw)
+            done[0] += 1
+            if done[0] >= steps - n - 1:  # the host runs ahead of the GPU: the window's steps end on a sync
+                torch.cuda.synchronize()
+            prof.step()
+            return w
+        tr.train_step = profiled_step
+        prof.start()
     res = tr.train()
+    if prof is not None:
+        torch.cuda.synchronize()
+        prof.stop()
     hist = res["history"][1:] or res["history"]  # the first window holds warm-up / compilation
     ms = float(np.median([h["step_ms"] for h in hist]))
     r = {
@@ -103,6 +125,11 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "compiled_kept": tr.compiled, "compile_check": tr.check,  # a failed check trains (and times) eagerly
     }
+    if prof is not None:
+        try:  # a profiler failure must not lose the timing
+            r["profile"] = kernel_summary(prof, n, tr.flops * n)
+        except Exception as e:  # noqa: BLE001
+            r["profile"] = {"error": repr(e)[:300]}
     del tr
     gc.collect()
     if torch.cuda.is_available():
@@ -120,6 +147,9 @@ def main():
     ap.add_argument("--workdir", default=None, help="default: /dev/shm/dflash-bench-train or a temp dir")
     ap.add_argument("--modes", default="eager:flex,compiled:flex", help="comma list of compile:attn (eager|compiled : flex|sdpa)")
     ap.add_argument("--hidden-dtypes", default="bf16", help="comma list of cache hidden dtypes: bf16,fp8,fp4")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="GPU time of the last N steps of each mode by kernel category (torch.profiler; "
+                         "those steps end on a device sync)")
     ap.add_argument("--json")
     a = ap.parse_args()
     from dflash_cache import quant
@@ -142,7 +172,8 @@ def main():
                 continue
             try:
                 r = run_one(cache, target, os.path.join(wd, f"run-{name}-{comp}-{attn}"), shape,
-                            "on" if comp == "compiled" else "off", attn, a.steps, a.log_every)
+                            "on" if comp == "compiled" else "off", attn, a.steps, a.log_every,
+                            profile_steps=a.profile_steps)
             except Exception as e:  # noqa: BLE001 - a failed mode is a result too (e.g. out of memory)
                 r = {"compile": "on" if comp == "compiled" else "off", "attn": attn, "error": repr(e)[:300]}
                 gc.collect()
