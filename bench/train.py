@@ -90,10 +90,10 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
                       attn=attn, param_dtype=dtype, progress=False, overwrite=True, loader_threads=8)
     tr = Trainer(cfg)
     prof = None
-    if profile_steps and torch.cuda.is_available():  # the last profile_steps steps under torch.profiler
+    n = min(profile_steps, steps - 2)  # the last n steps under torch.profiler (one warm-up step before them)
+    if n >= 1 and torch.cuda.is_available():
         from torch.profiler import ProfilerActivity, profile, schedule
 
-        n = min(profile_steps, steps - 2)
         prof = profile(activities=[ProfilerActivity.CUDA], schedule=schedule(skip_first=steps - n - 1, wait=0,
                                                                               warmup=1, active=n, repeat=1))
         step, done = tr.train_step, [0]

@@ -270,9 +270,9 @@ class LayerCapture:
     def hooks_outside_graph(self, on: bool = True) -> None:
         """Re-registers the hooks behind `torch.compiler.disable` (on) or plain (off). On is for a model compiled
         with a graph break in every layer (extract/compiled.py's split attention): there each hook is a frame of
-        its own to dynamo, specialised on its layer index k, and the K hooks ran into dynamo's recompile limit
-        (8) for that one code object; eager, a hook is one copy_ either way. Off keeps them inside a whole-model
-        graph."""
+        its own to dynamo, specialised on its layer index k and its buffer's dtype, and the K hooks ran into
+        dynamo's recompile limit (8) for that one code object; eager, a hook is one copy_ either way. Off keeps
+        them inside a whole-model graph."""
         self.remove()
         self._handles = [self.layers[i].register_forward_hook(torch.compiler.disable(self._hook(k, i)) if on
                                                               else self._hook(k, i))
