@@ -265,7 +265,8 @@ class LayerCapture:
         self.out: torch.Tensor | None = None
         self.norm = getattr(getattr(model, "model", model), "norm", None) if final_norm_for is not None else None
         self.final_norm_for = final_norm_for
-        self._handles = [self.layers[i].register_forward_hook(self._hook(k, i)) for k, i in enumerate(layer_ids)]
+        self._handles: list = []
+        self._register(outside_graph=False)
 
     def hooks_outside_graph(self, on: bool = True) -> None:
         """Re-registers the hooks behind `torch.compiler.disable` (on) or plain (off). On is for a model compiled
@@ -274,9 +275,14 @@ class LayerCapture:
         dynamo's recompile limit (8) for that one code object; eager, a hook is one copy_ either way. Off keeps
         them inside a whole-model graph."""
         self.remove()
-        self._handles = [self.layers[i].register_forward_hook(torch.compiler.disable(self._hook(k, i)) if on
-                                                              else self._hook(k, i))
-                         for k, i in enumerate(self.layer_ids)]
+        self._register(outside_graph=on)
+
+    def _register(self, outside_graph: bool) -> None:
+        self._handles = []
+        for k, i in enumerate(self.layer_ids):
+            fn = self._hook(k, i)
+            self._handles.append(self.layers[i].register_forward_hook(torch.compiler.disable(fn) if outside_graph
+                                                                      else fn))
 
     def _hook(self, k: int, layer_id: int):
         def fn(module, args, output):
