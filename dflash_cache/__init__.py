@@ -26,11 +26,11 @@ from .format import (
 )
 from . import quant
 from .inspect import VerifyReport, info, verify
-from .reader import Batch, Cache, open
+from .reader import Batch, Cache, open, shard_order
 from .writer import CacheWriter
 
 __all__ = [
     "CODECS", "FORMAT_NAME", "FORMAT_VERSION", "Batch", "Cache", "CacheCorruptError", "CacheError", "CacheIncompleteError",
     "CacheMismatchError", "CacheNotFoundError", "CacheSpec", "CacheVersionError", "CacheWriter", "NotACacheError",
-    "VerifyReport", "fingerprint", "info", "open", "quant", "verify",
+    "VerifyReport", "fingerprint", "info", "open", "quant", "shard_order", "verify",
 ]

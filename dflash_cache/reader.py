@@ -20,14 +20,36 @@ no thread here ever touches CUDA. With pin_memory=True the buffers are a ring of
 allocated once by the caller's (main) thread; the caller must call batch.release() once its
 host-to-device copy has completed, and only then is the buffer reused. epochs=None iterates epoch
 after epoch with the same threads and buffers, decoding the next epoch's first batches ahead.
+
+The data order (Cache.epoch_rows), one rule for every run, so that a trainer that follows a cache while it is
+being written (open(..., follow=True), `dflash train --follow`) reads exactly what a run over the finished
+cache reads with the same seed:
+  * Shards are written and read in `shard_order(num_shards)`: 0, a, 2a, ... (mod num_shards), a stride near
+    num_shards x 0.618 that is prime to num_shards. `dflash extract` commits each rank's shards in that order
+    (extract/run.py), so the committed shards grow along it whatever the number of ranks.
+  * Epoch 0 cuts that order into windows of `window_rows` rows (whole shards: ceil(window_rows /
+    rows_per_shard) of them) and visits the windows in turn, the rows of each window shuffled (one generator
+    seeded by (seed, 0) draws the windows' permutations one after the other). A follower therefore needs only
+    the shards of the window it is in, and it trails the extraction by about one window.
+  * Epochs >= 1 are one permutation of all rows (seeded by (seed, epoch)): the cache is complete by then, since
+    epoch 0 read every row.
+  * window_rows >= the cache's rows (or None) makes epoch 0 one permutation too: a cache that fits in one window
+    is read exactly as before windows existed.
+  Shuffle quality: the packer fills rows best-fit decreasing, so consecutive rows are alike (the first ones hold
+  the longest conversations, the last ones the shortest). Consecutive shards of the stride order lie ~0.38 or
+  ~0.62 of the cache apart and any W of them are spread over the whole cache (the golden-ratio sequence is the
+  most even there is), so every window is a stratified sample of all rows, not a stretch of similar ones. What
+  remains is that rows of one shard (rows_per_shard consecutive rows) always share a window in epoch 0, and that
+  a window's rows cannot meet rows of other windows in a batch; later epochs mix everything.
 """
 
 from __future__ import annotations
 
 import collections
+import math
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any, Callable, Iterator
 
 import numpy as np
 
@@ -39,12 +61,14 @@ from .format import (
     CacheError,
     CacheIncompleteError,
     SMALL_CODEC,
+    COMMIT_KEY,
     CacheSpec,
     check_expectations,
     chunk_key,
     commit_problems,
     committed_shards,
     read_root,
+    root_digest,
     shard_key,
 )
 from . import quant
@@ -56,9 +80,27 @@ if TYPE_CHECKING:
 
 
 def open(path: str, expect: dict[str, Any] | None = None, allow_incomplete: bool = False,
-         threads: int = 4) -> "Cache":
-    """Open a cache for reading. `expect` maps (dotted) metadata fields to required values."""
-    return Cache(path, expect=expect, allow_incomplete=allow_incomplete, threads=threads)
+         threads: int = 4, follow: bool = False) -> "Cache":
+    """Open a cache for reading. `expect` maps (dotted) metadata fields to required values.
+
+    allow_incomplete: a cache with uncommitted shards opens, and its rows are those of the committed shards.
+    follow: a cache that is still being written opens with every row of its plan (len() is the final row count);
+    rows of shards not yet committed are waited for by the batch iterator (batches(..., wait=...))."""
+    return Cache(path, expect=expect, allow_incomplete=allow_incomplete, threads=threads, follow=follow)
+
+
+def shard_order(num_shards: int) -> list[int]:
+    """The order in which shards are written and first read (module docstring): s_k = k * a mod num_shards, with
+    a the integer nearest num_shards * 0.618 that is prime to num_shards (1 for one or two shards)."""
+    if num_shards <= 2:
+        return list(range(num_shards))
+    golden = (5 ** 0.5 - 1) / 2
+    base = round(num_shards * golden)
+    for d in range(num_shards):  # the nearest coprime stride, upward first (1 is coprime: the search ends)
+        for a in (base + d, base - d):
+            if 0 < a < num_shards and math.gcd(a, num_shards) == 1:
+                return [k * a % num_shards for k in range(num_shards)]
+    return list(range(num_shards))  # unreachable: a = 1 is always prime to num_shards
 
 
 class Batch(dict):
@@ -75,23 +117,27 @@ class Batch(dict):
 
 
 class Cache:
-    def __init__(self, path: str, expect=None, allow_incomplete=False, threads=4):
+    def __init__(self, path: str, expect=None, allow_incomplete=False, threads=4, follow=False,
+                 metadata: dict | None = None):
         self.path = str(path)
         self.store = Store(path)
-        self.metadata = read_root(self.store)
+        self.metadata = read_root(self.store) if metadata is None else metadata  # verify: the recorded root
         self.spec = CacheSpec.from_metadata(self.metadata)
+        self.root_digest = root_digest(self.metadata)  # each commit record names the root it was written under
         check_expectations(self.metadata, expect, self.path)
         self.commits = committed_shards(self.store, self.spec.num_shards)
         missing = [s for s in range(self.spec.num_shards) if s not in self.commits]
         self.complete = not missing
-        if missing and not allow_incomplete:
+        self.follow = follow
+        if missing and not (allow_incomplete or follow):
             raise CacheIncompleteError(
                 f"cache {self.path} is incomplete: {len(missing)} of {self.spec.num_shards} shards are not committed "
                 f"(first: {missing[0]}); rerun the extraction to finish it"
             )
-        # global row index -> (shard, row in shard) over committed shards, in shard order. Row counts come
+        # global row index -> (shard, row in shard), in shard order: over the plan's shards when the cache is
+        # complete or followed (row i is then row i of the plan), else over the committed shards. Row counts come
         # from the plan; a commit record that disagrees is corrupt (see commit_record()).
-        self._shards = sorted(self.commits)
+        self._shards = list(range(self.spec.num_shards)) if (self.complete or follow) else sorted(self.commits)
         counts = [self.spec.shard_rows(s)[1] for s in self._shards]
         self._starts = np.cumsum([0] + counts)
         hdt, sdt = self.spec.hidden_storage
@@ -136,11 +182,40 @@ class Cache:
         k = int(np.searchsorted(self._starts, i, side="right") - 1)
         return self._shards[k], i - int(self._starts[k])
 
+    @property
+    def committed_rows(self) -> int:
+        return sum(self.spec.shard_rows(s)[1] for s in self.commits)
+
+    def poll(self, shards) -> list[int]:
+        """Which of `shards` are still not committed, after re-reading the commit records of those not known to be
+        (a followed cache grows while it is read; commits are never taken back while it is read)."""
+        missing = []
+        for s in sorted(set(int(x) for x in shards)):
+            if s in self.commits:
+                continue
+            doc = self.store.get_json(f"{shard_key(s)}/zarr.json")
+            rec = ((doc or {}).get("attributes") or {}).get(COMMIT_KEY)
+            if rec is None:
+                missing.append(s)
+            else:
+                self.commits[s] = rec
+        if not missing and len(self.commits) == self.spec.num_shards:
+            self.complete = True
+        return missing
+
+    def refresh(self) -> int:
+        """Re-read every commit record (a listing of the shards); returns how many shards are committed."""
+        self.commits.update(committed_shards(self.store, self.spec.num_shards))
+        self.complete = len(self.commits) == self.spec.num_shards
+        return len(self.commits)
+
     def commit_record(self, shard: int) -> dict[str, Any]:
         """A shard's commit record, checked to hold every checksum (CacheCorruptError if it does not)."""
+        if shard not in self.commits:
+            raise CacheIncompleteError(f"cache {self.path}: shard {shard} is not committed (yet)")
         rec = self.commits[shard]
         if shard not in self._records_ok:
-            problems = commit_problems(self.spec, shard, rec)
+            problems = commit_problems(self.spec, shard, rec, self.root_digest)
             if problems:
                 raise CacheCorruptError(f"cache {self.path}: shard {shard}: {problems[0]}; run `dflash cache verify`")
             self._records_ok.add(shard)
@@ -286,12 +361,32 @@ class Cache:
     def steps_per_epoch(self, batch_rows: int, world: int = 1) -> int:
         return -(-len(self) // (batch_rows * world))
 
-    def epoch_order(self, batch_rows: int, rank: int, world: int, epoch: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    def epoch_rows(self, epoch: int, seed: int, window_rows: int | None = None) -> np.ndarray:
+        """Every row index once, in the order epoch `epoch` reads them (the rule in the module docstring)."""
+        n = len(self)
+        rng = np.random.default_rng([seed, epoch])
+        planned = self.complete or self.follow  # row i is row i of the plan: windows of the shard order apply
+        if epoch > 0 or not window_rows or window_rows >= n or not planned:
+            return rng.permutation(n)
+        per = max(1, -(-int(window_rows) // self.spec.rows_per_shard))  # shards per window
+        order = shard_order(self.spec.num_shards)
+        out = []
+        for k in range(0, len(order), per):
+            rows = np.sort(np.concatenate([np.arange(*self._row_span(s)) for s in order[k:k + per]]))
+            out.append(rows[rng.permutation(len(rows))])
+        return np.concatenate(out)
+
+    def _row_span(self, shard: int) -> tuple[int, int]:
+        start, count = self.spec.shard_rows(shard)
+        return start, start + count
+
+    def epoch_order(self, batch_rows: int, rank: int, world: int, epoch: int, seed: int,
+                    window_rows: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(row indices [steps, batch_rows], valid [steps, batch_rows]) for one rank and epoch.
 
-        One permutation per (seed, epoch), shared by all ranks; rank r takes every world-th batch
-        slot. The tail is filled with repeats marked invalid (their loss mask is zeroed), so every
-        row is seen exactly once per epoch across ranks and every batch has the same shape.
+        The epoch's rows in epoch_rows' order, shared by all ranks; rank r takes every world-th batch
+        slot. The tail is filled with repeats of the epoch's first rows marked invalid (their loss mask is
+        zeroed), so every row is seen exactly once per epoch across ranks and every batch has the same shape.
         """
         if batch_rows < 1:
             raise CacheError(f"batch_rows must be at least 1, got {batch_rows}")
@@ -300,7 +395,7 @@ class Cache:
         n = len(self)
         if n == 0:
             raise CacheError(f"cache {self.path} has no rows")
-        perm = np.random.default_rng([seed, epoch]).permutation(n)
+        perm = self.epoch_rows(epoch, seed, window_rows)
         steps = self.steps_per_epoch(batch_rows, world)
         total = steps * batch_rows * world
         idx = np.concatenate([perm, perm[np.arange(total - n) % n]])
@@ -312,14 +407,22 @@ class Cache:
     def batches(self, batch_rows: int, *, rank: int = 0, world: int = 1, epoch: int = 0, seed: int = 0,
                 start_step: int = 0, prefetch: int = 4, threads: int | None = None, pin_memory: bool = False,
                 check: bool = False, epochs: int | None = 1, reuse_buffers: bool | None = None,
-                quantized: bool = False) -> Iterator[Batch]:
+                quantized: bool = False, window_rows: int | None = None,
+                wait: Callable[[list[int], int], None] | None = None) -> Iterator[Batch]:
         """Fixed-shape batches for one rank: `epochs` epochs (None: endless) from step `start_step` of
-        `epoch` on (for resume). Decoding runs ahead across epoch boundaries on one thread pool.
+        `epoch` on (for resume), in epoch_order(..., window_rows). Decoding runs ahead across epoch boundaries
+        on one thread pool.
 
         With pin_memory (or reuse_buffers) the batches live in a ring of prefetch + 2 preallocated
         buffers: call batch.release() once a batch has been copied away, and its buffer is refilled.
         quantized=True: the consumer takes a quantised cache's stored bytes and scales (module docstring);
         without it a quantised cache is refused (its bytes are not bf16 values).
+
+        A followed cache (open(..., follow=True)): a batch is decoded only once every shard its rows lie in is
+        committed (poll()); batches are still yielded in order, so decoding ahead stops at the first batch
+        whose shards are missing. When no decoded batch is left, the iterator calls wait(missing shards, rows
+        yielded so far) again and again until they are committed: wait sleeps a little, may report, and raises
+        to give up (a dead extraction is its business). Without `wait` a missing shard is an error.
         """
         import torch
 
@@ -337,7 +440,7 @@ class Cache:
         def plan():  # (row indices, valid) of each batch, epoch after epoch
             e, first = epoch, start_step
             while epochs is None or e < epoch + epochs:
-                order, valid = self.epoch_order(batch_rows, rank, world, e, seed)
+                order, valid = self.epoch_order(batch_rows, rank, world, e, seed, window_rows)
                 for k in range(first, len(order)):
                     yield order[k], valid[k]
                 e, first = e + 1, 0
@@ -377,11 +480,28 @@ class Cache:
             with lock:
                 return bool(free)
 
+        served = 0  # rows yielded so far (for wait's report)
+
+        def missing(rows: np.ndarray) -> list[int]:
+            """Shards of `rows` not committed yet (a complete cache has none)."""
+            if self.complete:
+                return []
+            return self.poll({self.locate(int(i))[0] for i in rows})
+
         pending: collections.deque = collections.deque()
         try:
             def top_up():
                 nonlocal upcoming
                 while len(pending) < prefetch and upcoming is not None and can_start():
+                    absent = missing(upcoming[0])
+                    if absent and pending:
+                        return  # decode what is there; look again after the next batch
+                    while absent:  # nothing else to hand out: wait for the extraction
+                        if wait is None:
+                            raise CacheIncompleteError(
+                                f"cache {self.path}: shard {absent[0]} is not committed (the next batch needs it)")
+                        wait(absent, served)
+                        absent = missing(upcoming[0])
                     pending.append(start(*upcoming))
                     upcoming = next(it, None)
 
@@ -397,6 +517,7 @@ class Cache:
                 out["row_index"] = torch.from_numpy(rows.astype(np.int64))
                 out["row_valid"] = torch.from_numpy(valid.copy())
                 yield Batch(out, give_back(slot) if slot is not None else None)
+                served += len(rows)
                 top_up()
                 if ring is not None and not pending and upcoming is not None:
                     raise CacheError(

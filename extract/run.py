@@ -3,7 +3,9 @@
 One process per GPU (torchrun); the shards are split over the global ranks by real tokens (greedy
 longest-processing-time, extract/assign.py: the same partition on every rank), so `--nnodes` spreads a
 job over machines that share the cache's filesystem or object store. Every rank tokenises and
-packs the whole dataset identically (deterministic), then runs only its shards.
+packs the whole dataset identically (deterministic), then runs only its shards, in the order a trainer that
+follows the cache reads them first (dflash_cache.shard_order; `dflash train --follow`). The plan (rows and
+shards) is in the cache's root from its creation on, so such a trainer knows the final size.
 
 The GPU never waits on the disk: each forward writes the captured layers into one of two device
 buffers; with --hidden-dtype fp8/fp4 it is quantised there, on the device, into a second pair of
@@ -184,7 +186,9 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
         writer = CacheWriter(cfg.out, spec, threads=threads, writer_id=f"rank{dist.rank}")
     shard_tokens = shard_real_tokens(plan, lengths, rows_per_shard)
     mine = assign_shards(shard_tokens, dist.world)[dist.rank]
-    todo = [s for s in mine if s not in writer.committed]
+    # in the order a trainer following the cache reads them first (dflash_cache.reader.shard_order)
+    rank_of = {s: k for k, s in enumerate(dflash_cache.shard_order(spec.num_shards))}
+    todo = sorted((s for s in mine if s not in writer.committed), key=rank_of.__getitem__)
     print0(f"extract: {data.summary()}")
     print0(f"extract: {len(plan)} rows of {cfg.seq_len} tokens ({100 * pstats.padding_fraction:.2f}% padding), "
            f"{spec.num_shards} shards of {rows_per_shard} rows; layers {layer_ids} of {tc.num_hidden_layers}; "
