@@ -187,3 +187,13 @@ class OutputLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def holder(path: str) -> tuple[dict[str, Any] | None, str | None]:
+    """Who holds the lock of `path`: (its record, or None when nobody does; why that holder is gone, or None when it
+    may still run: a live process of this host, or one of another host, which cannot be checked from here). A
+    reader of a growing output (`dflash train --follow` on a cache being extracted) asks this to tell a writer that
+    is still at work from one that died."""
+    probe = OutputLock(path, "probe")
+    rec = probe._read()
+    return rec, (probe._stale(rec) if rec is not None else None)
