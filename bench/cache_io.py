@@ -1,5 +1,7 @@
 """Cache I/O benchmark: dflash_cache (each codec) against the peers' one-torch.save-file-per-sample format.
 
+Feeds BENCHMARKS.md, "Cache size" (bytes per token per stored dtype, each codec's write and read speed).
+
     python bench/cache_io.py                                   # defaults: ~1 min on 2 CPU cores
     python bench/cache_io.py --hidden 4096 --layers 5 --seq-len 4096 --rows 48 --rows-per-shard 4   # Qwen3-8B-like
     python bench/cache_io.py --real-hidden hidden.pt --json out.json

@@ -1,5 +1,7 @@
 """The eager CPU training step: dense SDPA mask vs the split attention (train/attention.py).
 
+Feeds BENCHMARKS.md, "Training step" (the CPU row).
+
     python bench/eager_step.py                                  # `dflash train` defaults: 4 x 2048, 512 anchors, B 16
     python bench/eager_step.py --rows 1 --modes sdpa,split --json out.json
 

@@ -1,8 +1,12 @@
-"""Extraction benchmark: pure target forward vs end-to-end `dflash extract` vs the peers' torch.save.
+"""Extraction speed: the target's pure forward, end-to-end `dflash extract`, the compiled forward and its variants.
+
+Feeds BENCHMARKS.md, "Extraction" (the end-to-end and compiled rows, the stored dtypes, the peers' torch.save) and
+its note "The compiled forward's attention" (--variants, --profile, --matmul).
 
     python bench/extract.py                          # Qwen3-8B-shaped random target, T = 4096, on one GPU
-    python bench/extract.py --chats 300 --json out.json --disk-dir /root/bench
+    python bench/extract.py --chats 800 --skip peer,forward,compiled,disk --compile-modes on   # one job per process
     python bench/extract.py --skip forward,peer --hidden-dtypes bf16,fp8,fp4 --disk-dir /root/bench   # per stored dtype
+    python bench/extract.py --chats 300 --variants eager4,default4 --profile --matmul --json v.json   # by kernel
 
 In one run, on the same packed rows:
   1. the truncated target's pure forward tokens/s (flex document mask; also plain causal, no mask,
@@ -16,8 +20,18 @@ In one run, on the same packed rows:
      against eager (per-layer errors vs a float32 reference), and end to end with --compile off and on
      (--compile-modes) to /dev/shm and to disk; each run's compile seconds are reported apart, and its tail
      (the last shard's encoding and write after the last forward) with the rate without it.
-The compiled forward against the eager one, with capture, on one host and nothing else (issue 17's bound):
-    python bench/extract.py --chats 300 --skip peer,shm,disk --forward-modes flex-capture --json out.json
+`dflash extract` runs one job per process; several --compile-modes in one process measure a compiled run after an
+eager one, which is not what the command does (dynamo's caches are shared).
+
+--variants KIND+ROWS,... times only the pure forward + capture under compile variants, instead of the above:
+eager (PackedTarget.run), default (extract/compiled.py's CompiledTarget as `dflash extract` runs it: attention
+outside the graph), whole (one graph for the whole model, flex attention inside it: inductor then folds the q/k
+norms and rotary embedding into the flex kernel), freeze (the default with inductor's `freezing`). Each compiled
+variant is checked on the first batch against eager and a float32 reference, then timed over every batch.
+--profile splits each variant's GPU time into matmuls, attention (flex), the other fused kernels and copies
+(torch.profiler, two batches); --matmul times each linear shape alone (torch.mm, bf16, M = rows x seq_len): the
+chip's rate on exactly these matmuls.
+
 --json is rewritten after every measurement, so a run cut by a time limit keeps what it measured.
 Speed does not depend on the weights, so the target is random (built on the GPU, saved once).
 """
@@ -33,7 +47,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench.common import QWEN3_8B, SMOLLM2, hardware, random_target_dir, synthetic_chats, table, write_jsonl  # noqa: E402
+from bench.common import (QWEN3_8B, SMOLLM2, hardware, kernel_summary, random_target_dir, synthetic_chats,  # noqa: E402
+                          table, write_jsonl)
 
 
 def dir_bytes(p: str) -> int:
@@ -136,6 +151,120 @@ def peer_torch_save(pt, rows, plan, docs, batch_rows: int, out_dir: str, max_row
     return {"tok_s": tokens / dt, "bytes_per_token": dir_bytes(out_dir) / tokens, "tokens": tokens}
 
 
+def linear_flops_per_row_token(model) -> int:
+    """2 x the weights of every linear layer: the matmul FLOPs per token (padding included: it is computed)."""
+    return 2 * sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
+def profile_forward(one, batches, flops_per_token: int, tokens_per_batch: int) -> dict:
+    """GPU time by kernel category over len(batches) forwards (torch.profiler), and the matmuls' own TFLOP/s."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for b in batches:
+            one(b)
+        torch.cuda.synchronize()
+    return kernel_summary(prof, len(batches), flops_per_token * tokens_per_batch * len(batches))
+
+
+def matmul_rate(model, M: int) -> dict:
+    """torch.mm (bf16) alone on each distinct linear shape of the model at M rows: the chip's rate on them."""
+    shapes: dict[tuple, int] = {}
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            shapes[tuple(m.weight.shape)] = shapes.get(tuple(m.weight.shape), 0) + 1
+    flops = secs = 0.0
+    per = []
+    for (n, k), count in shapes.items():
+        a = torch.randn(M, k, device="cuda", dtype=torch.bfloat16)
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ w.t()
+        torch.cuda.synchronize()
+        reps = 20
+        t = time.perf_counter()
+        for _ in range(reps):
+            a @ w.t()
+        torch.cuda.synchronize()
+        dt = (time.perf_counter() - t) / reps
+        per.append({"shape": f"{M}x{k} @ {k}x{n}", "layers": count, "TFLOP_s": 2 * M * n * k / dt / 1e12})
+        flops += 2 * M * n * k * count
+        secs += dt * count
+        del a, w
+    return {"M": M, "per_shape": per, "TFLOP_s": flops / secs / 1e12, "ms_all_linear": secs * 1e3}
+
+
+VARIANT_KINDS = ("eager", "default", "whole", "freeze")  # --variants
+
+
+def parse_variants(spec: str) -> list[tuple[str, str, int]]:
+    """'eager4,default8' -> [(name, kind, batch rows)]."""
+    out = []
+    for v in filter(None, spec.split(",")):
+        kind = v.rstrip("0123456789")
+        if kind not in VARIANT_KINDS:
+            raise SystemExit(f"--variants: {v!r}: the kind must be one of {', '.join(VARIANT_KINDS)}")
+        out.append((v, kind, int(v[len(kind):] or 4)))
+    return out
+
+
+def run_variants(a, pt, rows, res: dict, save) -> None:
+    """--variants: the pure forward + capture of each compile variant, its check, its profile, the matmuls alone."""
+    import torch._inductor.config as inductor_config
+
+    res["variants"] = {}
+    flops_tok = linear_flops_per_row_token(pt.model)
+    res["linear_GFLOP_per_token"] = flops_tok / 1e9
+    variants = parse_variants(a.variants)
+    if a.matmul:
+        for batch in sorted({b for _, _, b in variants}):
+            res[f"matmul_rate_{batch}"] = mr = matmul_rate(pt.model, batch * a.seq_len)
+            print({"matmul_rate": mr}, flush=True)
+            save()
+    out = []
+    for v, kind, batch in variants:
+        t0 = time.perf_counter()
+        r: dict = {"variant": v}
+        runner = None
+        if kind == "eager":
+            r["tok_s"] = forward_speed(pt, rows, batch, "flex", True)
+        else:
+            torch._dynamo.reset()
+            inductor_config.freezing = kind == "freeze"
+            if kind == "whole":  # undo a split made by an earlier variant
+                pt.model.config._attn_implementation = "flex_attention"
+            tok_s, chk, runner = compiled_speed(pt, rows, batch, return_runner=True, split_attention=kind != "whole")
+            r.update(tok_s=tok_s, check_passed=chk["passed"], first_call_s=chk["first_call_s"],
+                     worst_of_tolerance=max(c / t for c, t in zip(chk["err_compiled_vs_ref"], chk["tolerance"])))
+        if a.profile:
+            T = rows["input_ids"].shape[1]
+            out_buf = torch.empty(batch, T, len(pt.layer_ids) * pt.hidden_size, dtype=torch.bfloat16, device="cuda")
+            bs = [device_batch(rows, i, batch, "cuda") for i in (0, batch)]
+
+            def one(b, runner=runner, out_buf=out_buf):
+                with torch.inference_mode():
+                    (runner or pt).run(b["input_ids"], b["position_ids"], b["doc_ids"], out_buf)
+
+            try:  # a profiler failure must not lose the variants still to run
+                r["profile"] = profile_forward(one, bs, flops_tok, batch * T)
+            except Exception as e:  # noqa: BLE001
+                r["profile"] = {"error": f"{type(e).__name__}: {e}"}
+            print({"profile": r["profile"]}, flush=True)
+            del runner, out_buf, bs
+        r.update(wall_s=time.perf_counter() - t0, peak_GB=torch.cuda.max_memory_allocated() / 1e9)
+        torch.cuda.empty_cache()
+        eager = next((x["tok_s"] for x in out if x["variant"] == f"eager{batch}"), None)
+        if eager:
+            r["vs_eager"] = r["tok_s"] / eager
+        out.append(r)
+        res["variants"][v] = r
+        print({k: v for k, v in r.items() if k != "profile"}, flush=True)
+        save()
+    print(table(out, ["variant", "tok_s", "vs_eager", "check_passed", "worst_of_tolerance", "first_call_s", "wall_s",
+                      "peak_GB"]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=["qwen3-8b", "smollm2"], default="qwen3-8b")
@@ -151,8 +280,14 @@ def main():
     ap.add_argument("--forward-modes", default="causal,flex,flex-capture,sdpa",
                     help="pure eager forwards to time (flex-capture is the one extract runs; the others explain it)")
     ap.add_argument("--hidden-dtypes", default="bf16", help="comma list of stored hidden dtypes for step 2: bf16,fp8,fp4")
+    ap.add_argument("--variants", default="",
+                    help="only time these compile variants of the pure forward + capture, KIND+ROWS with KIND one of "
+                         "eager|default|whole|freeze (e.g. eager4,default4,whole4)")
+    ap.add_argument("--profile", action="store_true", help="--variants: split each one's GPU time by kernel category")
+    ap.add_argument("--matmul", action="store_true", help="--variants: time the target's linear shapes alone (torch.mm)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    parse_variants(a.variants)  # a bad --variants fails before the target is built
     skip = set(filter(None, a.skip.split(",")))
     fmodes = set() if "forward" in skip else set(filter(None, a.forward_modes.split(",")))
     if fmodes - FORWARD_MODES:
@@ -180,6 +315,10 @@ def main():
     real = int((rows["doc_ids"] > 0).sum())
     res.update(rows=len(plan), real_tokens=real, padding=1 - real / rows["doc_ids"].size)
     print(f"{len(plan)} rows x {a.seq_len}, {real:,} real tokens, padding {100 * res['padding']:.2f}%", flush=True)
+    if a.variants:
+        pt = PackedTarget(target, layer_ids, device="cuda", dtype=torch.bfloat16, attn="flex")
+        run_variants(a, pt, rows, res, lambda: save(res))
+        return
 
     table_rows = []
     if fmodes - {"sdpa"} or "peer" not in skip or "compiled" not in skip:

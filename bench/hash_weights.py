@@ -1,5 +1,7 @@
-"""How long the content fingerprint of a target's weights takes (dflash/weights.py), as `dflash extract` computes
-it for every run and `dflash train` for the embedding and LM head.
+"""How long the content fingerprint of a target's weights takes (dflash/core/weights.py), as `dflash extract`
+computes it for every run and `dflash train` for the embedding and LM head.
+
+Feeds BENCHMARKS.md, "Extraction" (the weights fingerprint row).
 
 Builds a synthetic Qwen3-8B-shaped target as sharded safetensors (HF tensor names and shapes, bf16, ~16.4 GB in
 5 shards at the default sizes; the bytes are random: hashing speed does not depend on them), then times:

@@ -1,5 +1,7 @@
 """Reconstruction error of the quantised cache formats on REAL hidden states (the demo target's by default).
 
+Feeds BENCHMARKS.md, "Cache size" (the error of fp8 and fp4, and the choice of their scales).
+
     python bench/quant_error.py                                # SmolLM2-135M-Instruct on chitchat, CPU, ~1-2 min
     python bench/quant_error.py --rows 16 --seq-len 1024 --save-hidden /dev/shm/smollm2-hidden.pt --json out.json
     python bench/quant_error.py --target /path/to/Qwen3-8B --data chats.jsonl --device cuda --dtype bfloat16

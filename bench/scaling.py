@@ -1,5 +1,7 @@
 """Multi-GPU scaling of both stages, through the real CLI under torchrun: 1 GPU against N GPUs.
 
+Feeds BENCHMARKS.md, "Scaling", and the `dflash train` row of "Training step" (--parts train --train-ns 1).
+
     python bench/scaling.py --gpus 0,1                       # extraction and training, 1 vs 2 GPUs
     python bench/scaling.py --gpus 0,1 --parts train --json out.json
 

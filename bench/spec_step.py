@@ -1,39 +1,105 @@
-"""What a speculative step costs beside a step of the target alone, at batch 1, as `dflash eval` decodes.
+"""What a speculative step costs at batch 1, as `dflash eval` decodes: the whole step beside a step of the target
+alone, and (--draft-only) the drafter's block forward by itself.
+
+Feeds BENCHMARKS.md, "Decoding and quality" (the speculative step's cost: its attention and the drafter's CUDA graph).
 
     python bench/spec_step.py                          # SmolLM2-135M-shaped target and drafter, cuda if present
     python bench/spec_step.py --device cpu --prompts 2 --max-new 16 --layers 4
-
-A random target of the GPU recipe's shape (bench/random_smollm2.py's: Llama, 30 layers, hidden 576, 9 heads /
-3 KV heads, vocab 49152) and a random drafter (bench/draft_step.py's: 2 layers, block 8) decode --prompts random
-prompts through train/decode.py's speculative() loop, the target alone (NoDraft), DFlash and n-gram lookup, with
-the target's own attention ("model": HF's sdpa, a 4D mask and a copy of the KV cache per query head for every
-multi-token forward) and with the eval's decode attention ("auto": causal to the bottom right, no mask).
-Random weights accept nothing: every step emits one token, so `step ratio` = (target ms per step) / (method ms
-per step) is the speed-up a drafter would give at tau 1, and a drafter with acceptance tau gets about tau times
-that. The drafter's step runs as one CUDA graph on a GPU (--draft-graph on). --count-ops only counts the host
-operations (top-level aten calls) of a one-token target step and of a verify forward, per attention.
-
     python bench/spec_step.py --device cpu --dtypes float32 --attention model,decode --count-ops
+    python bench/spec_step.py --draft-only --graphs off,on --backends default,decode   # the drafter's block forward
+
+A random target of the GPU recipe's shape (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152) and a
+random drafter (2 layers, block 8, 5 context layers) decode --prompts random prompts through train/decode.py's
+speculative() loop, the target alone (NoDraft), DFlash and n-gram lookup, with the target's own attention ("model":
+HF's sdpa, a 4D mask and a copy of the KV cache per query head for every multi-token forward) and with the eval's
+decode attention ("auto": causal to the bottom right, no mask). Random weights accept nothing: every step emits one
+token, so `step ratio` = (target ms per step) / (method ms per step) is the speed-up a drafter would give at tau 1,
+and a drafter with acceptance tau gets about tau times that. The drafter's step runs as one CUDA graph on a GPU
+(--draft-graph on). --count-ops only counts the host operations (top-level aten calls) of a one-token target step
+and of a verify forward, per attention.
+
+--draft-only: the drafter alone holds --context tokens of context; each step drafts one block through the eval's
+own proposer (train/drafting.py DFlashProposer) after the previous step's verified block with one accepted token,
+as a speculative step does. Per dtype, --graphs (off: eager block forward; on: one CUDA graph, eval's
+--draft-graph) and --backends (default: PyTorch's own SDPA kernel choice; decode: the ones dflash decodes with,
+dflash.core.target.decode_sdpa, no cuDNN): the median wall time of a step with the device synchronised, and the
+operators that take the most host time (torch.profiler), to tell kernel time from launch and Python overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import statistics
 import sys
+import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.draft_step import drafter  # noqa: E402
+from dflash.core.target import decode_sdpa  # noqa: E402
 from dflash.train.decode import NgramProposer, NoDraft, speculative  # noqa: E402
 from dflash.train.drafting import DFlashProposer  # noqa: E402
+from dflash.train.model import DFlashDrafter, DrafterConfig  # noqa: E402
 from dflash.train.verify import Target, crop_cache  # noqa: E402
 
 LAYER_IDS = [1, 8, 14, 20, 27]
+
+
+def drafter(dtype: torch.dtype, device: torch.device, layers: int, block: int) -> DFlashDrafter:
+    cfg = DrafterConfig(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                        vocab_size=49152, target_layer_ids=[1, 8, 14, 20, 27], num_target_layers=30,
+                        num_layers=layers, block_size=block, mask_token_id=16, rope_theta=100000.0)
+    torch.manual_seed(0)
+    m = DFlashDrafter(cfg)
+    m.reset_parameters(seed=0)
+    m.set_target_head(torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02, torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02)
+    return m.to(device, dtype).eval()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(dtype: torch.dtype, device: torch.device, args, graph: bool = False) -> dict:
+    """--draft-only: the drafter's draft + observe step alone, median wall time and the top host operators."""
+    m = drafter(dtype, device, args.draft_layers, args.block)
+    width = 5 * 576
+    prop = DFlashProposer(m, args.context + args.steps + args.block + 16, graph=graph)
+    with torch.inference_mode():
+        prop.start(torch.randn(1, args.context, width, device=device, dtype=dtype))
+        block = torch.randn(1, args.block, width, device=device, dtype=dtype)  # a verified block, 1 accepted
+        pos = args.context
+
+        def step():
+            nonlocal pos
+            prop.propose([], 5, pos)
+            prop.observe(block, pos, 1)
+            pos += 1
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(args.steps):
+            sync(device)
+            t0 = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - t0)
+        acts = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with torch.profiler.profile(activities=acts) as prof:
+            for _ in range(5):
+                step()
+            sync(device)
+    top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[: args.top]
+    return {"dtype": str(dtype).replace("torch.", ""), "graph": prop.graph_status, "ms_per_step": 1000 * statistics.median(times),
+            "top_host_ops": [{"op": e.key, "calls_per_step": e.count / 5, "host_ms_per_step": e.self_cpu_time_total / 5000,
+                              "device_ms_per_step": getattr(e, "self_device_time_total", 0) / 5000} for e in top]}
 
 
 def target(device, dtype, layers: int):
@@ -105,6 +171,27 @@ def count_ops(args, device, dtype) -> list[dict]:
     return out
 
 
+def draft_only(args, device) -> None:
+    """--draft-only: every --graphs x --backends x --dtypes combination of measure(), printed and saved."""
+    out = []
+    for graph in args.graphs.split(","):
+        for backends in args.backends.split(","):
+            for d in args.dtypes.split(","):
+                with decode_sdpa() if backends == "decode" else contextlib.nullcontext():
+                    r = measure(getattr(torch, d), device, args, graph == "on")
+                out.append({"backends": backends, **r})
+    for r in out:
+        print(f"\n{r['dtype']}, {r['backends']} SDPA kernels, draft graph {r['graph']}: {r['ms_per_step']:.2f} ms "
+              f"per draft + observe step ({device})")
+        print(f"  {'op':<44} {'calls':>6} {'host ms':>8} {'dev ms':>8}")
+        for o in r["top_host_ops"]:
+            print(f"  {o['op'][:44]:<44} {o['calls_per_step']:>6.1f} {o['host_ms_per_step']:>8.3f} {o['device_ms_per_step']:>8.3f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": str(device), "args": vars(args), "results": out}, f, indent=2)
+
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -120,9 +207,20 @@ def main() -> None:
     ap.add_argument("--draft-graph", default="on" if torch.cuda.is_available() else "off", choices=["on", "off"])
     ap.add_argument("--count-ops", action="store_true",
                     help="Only count the host operations of a one-token step and a verify forward per attention.")
+    ap.add_argument("--draft-only", action="store_true", help="Only time the drafter's block forward (no target).")
+    ap.add_argument("--context", type=int, default=300, help="--draft-only: tokens of context the drafter holds")
+    ap.add_argument("--steps", type=int, default=50, help="--draft-only: timed steps (the median is reported)")
+    ap.add_argument("--top", type=int, default=8, help="--draft-only: host operators listed")
+    ap.add_argument("--backends", default="default,decode",
+                    help="--draft-only: default (PyTorch's SDPA kernel choice), decode (dflash eval's: no cuDNN)")
+    ap.add_argument("--graphs", default="off", help="--draft-only: comma list of off (eager block forward), on (one "
+                                                    "CUDA graph, eval's --draft-graph)")
     ap.add_argument("--json")
     args = ap.parse_args()
     device = torch.device(args.device if args.device != "cuda" else "cuda:0")
+    if args.draft_only:
+        draft_only(args, device)
+        return
     if args.count_ops:
         counts = [{"dtype": d, **r} for d in args.dtypes.split(",") for r in count_ops(args, device, getattr(torch, d))]
         for r in counts:

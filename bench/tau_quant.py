@@ -1,5 +1,7 @@
 """tau from fp8 / fp4 caches against bf16: does the drafter notice the cache's precision?
 
+Feeds BENCHMARKS.md, "Cache size" (tau from an fp8 cache against bf16's spread over seeds).
+
 The demo's recipe (SmolLM2-135M-Instruct + chitchat, regenerated replies by default), extracted once per
 hidden dtype (bf16, fp8, fp4) from the same data; drafters trained with the same recipe: from the bf16 cache
 with several seeds (their spread is the noise), from each quantised cache with the first of those seeds (the

@@ -1,4 +1,6 @@
-"""Tokenise and pack a million conversations: today's serial path vs tokenise-once (extract/tokenize_cache.py).
+"""Tokenise and pack a million conversations: a serial pass per rank vs tokenise-once (extract/tokenize_cache.py).
+
+Feeds BENCHMARKS.md, "Extraction" (the tokenise-and-pack row).
 
     python bench/tokenize_1m.py --n 1000000 --workers 16 --json tok.json      # the GPU machine (16 cores)
     python bench/tokenize_1m.py --n 10000 --workers 2                          # a smoke run

@@ -1,5 +1,7 @@
 """Training-step benchmark: eager vs compiled CUDA-graph steps of the real trainer, from a real cache.
 
+Feeds BENCHMARKS.md, "Training step", "First compiled step" and the step-per-stored-dtype rows of "Cache size".
+
     python bench/train.py                       # Qwen3-8B-shaped drafter and the demo-size drafter
     python bench/train.py --shapes demo --steps 40 --json out.json
     python bench/train.py --shapes qwen3-8b --modes compiled:flex --hidden-dtypes bf16,fp8,fp4   # per cache dtype

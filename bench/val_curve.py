@@ -1,5 +1,7 @@
 """The held-out curve of one or more `dflash train --val-cache` runs: tau against the context tokens trained on.
 
+Feeds BENCHMARKS.md, "GPU recipe" (the held-out curve, docs/val-curve-gpu.png).
+
     python bench/val_curve.py --run RUN_DIR [--run LABEL=RUN_DIR ...] --out curve.png [--hline LABEL=TAU ...]
     python bench/val_curve.py --run WORKDIR/run          # the GPU recipe's run: the table only
 

@@ -1,5 +1,7 @@
 """The held-out decoding tau of a saved drafter, measured from its files: what `dflash train --val-cache` reports.
 
+Feeds BENCHMARKS.md, "Decoding and quality" (the expected tau against the decoding tau).
+
     python bench/val_decode.py --drafter RUN/final --val-cache WORK/cache-valid --target WORK/target \
         --max-new-tokens 0,64 [--rows 0] [--device cpu] [--json out.json]
 

@@ -107,7 +107,7 @@ def test_flex_attention_runs_outside_the_compiled_graph(tiny):
     assert max(report["err_compiled_vs_ref"]) < 1e-5
     torch.testing.assert_close(runner.run(ids, pos, doc, torch.zeros(2, 64, 192)), before, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(target.run(ids, pos, doc, torch.zeros(2, 64, 192)), before, rtol=0, atol=0)
-    # the whole-graph variant (bench/extract_variants.py's "whole") is one graph
+    # the whole-graph variant (bench/extract.py --variants whole4) is one graph
     target.model.config._attn_implementation = "flex_attention"
     torch._dynamo.reset()
     counters.clear()

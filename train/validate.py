@@ -8,12 +8,12 @@ drafting them one by one), and reports:
   * val_tau_decode: greedy speculative decoding simulated along each held-out answer: the answer's first token
     comes from the prompt's forward, then every step drafts after the last token, accepts the longest correct
     prefix of the draft and adds the target's bonus token (decode_walk). Speculative decoding accepts exactly
-    what the teacher-forced draft accepts at the same anchor (bench/tau_gap.py: 71 of 71 steps), so on answers
-    the target itself wrote (regenerated, greedy) this is what `dflash eval` would measure on those prompts;
+    what the teacher-forced draft accepts at the same anchor (71 of 71 steps where the two were compared), so on
+    answers the target itself wrote (regenerated, greedy) this is what `dflash eval` would measure on them;
   * val_tau_expected: the training step's figure, 1 + the mean over ALL anchors of the longest correct prefix.
     It weighs every position alike, where decoding passes through easy stretches in a few long steps and spends
     many short steps on hard ones, so it overstates tau wherever a text mixes the two (the GPU recipe's drafter:
-    7.45 here against eval's 2.98, BENCHMARKS, GPU recipe, fifth run);
+    8.51 here against eval's 3.53; BENCHMARKS.md, "Decoding and quality");
   * the weighted block loss and the per-slot accuracy, as the training step computes them.
 
 It runs at every checkpoint and at the end (rank 0; the other ranks wait), eager and without gradients, with as

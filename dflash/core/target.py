@@ -249,7 +249,7 @@ def decode_sdpa():
 
     cuDNN's attention builds an execution plan on the host for every new sequence length, and a decode step has
     a new key length every time: on the H200 a bf16 draft step took 42.9 ms with it against 2.2 ms in float32
-    (which never uses it), 40.4 ms of that in two cuDNN attention calls (bench/draft_step.py). The
+    (which never uses it), 40.4 ms of that in two cuDNN attention calls (bench/spec_step.py --draft-only). The
     memory-efficient kernel takes boolean masks directly."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
