@@ -5,6 +5,13 @@ so a part exists whole (with its counts) or not at all. OUT/dflash_regenerate.js
 target's identity and, once every part is committed, the totals; OUT/README.md is a dataset card whose `configs`
 block lets `datasets.load_dataset(OUT)` find the parts. A folder holding anything else is never written into, and
 --overwrite removes only what regenerate writes.
+
+What a resume checks (so that no output mixes two inputs): every setting the text depends on, the target's
+config and tokenizer, the content fingerprint of the target's weights (`weights`, dflash.core.weights: a resume
+with other weights of the same shapes names the first tensor that differs) and the content fingerprint of the
+data files (`identity.data_fingerprint`, dflash.core.chat.content_fingerprint: a file replaced in place, even
+with the same rows, is refused). An output recorded before these fingerprints resumes with a note saying what
+could not be checked.
 """
 
 from __future__ import annotations
@@ -12,18 +19,17 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import shutil
 
-from dflash.core.chat import DataError, REGENERATE_META
+from dflash.core.chat import REGENERATE_META, DataError, committed_regenerate_parts
 from dflash.core.config import ConfigError
 from dflash.core.io import TEMPORARY_GLOB, atomic_write
+from dflash.core.weights import WeightsFingerprint, compare_full
 from dflash_cache.lock import LOCK_NAME
 
 FORMAT = "dflash-regenerate"
 FORMAT_VERSION = 1
 META_NAME = REGENERATE_META  # the dataset loader skips this name when it scans a directory
-PART_RE = re.compile(r"^part-(\d{5,})\.jsonl$")
 
 # the record's settings and identity keys -> the flag a user changes to match them
 SETTING_FLAGS = {"data": "data", "split": "split", "max_samples": "max_samples", "max_new_tokens": "max_new_tokens",
@@ -31,7 +37,9 @@ SETTING_FLAGS = {"data": "data", "split": "split", "max_samples": "max_samples",
                  "chat_template_kwargs": "chat_template_kwargs", "part_size": "part_size", "dtype": "dtype",
                  "stop_at_eos": "stop_at_eos", "continue_turns": "continue_turns", "rows": "data",
                  "chat_template_fingerprint": "chat_template",
-                 "tokenizer_fingerprint": "target", "target": "target"}
+                 "tokenizer_fingerprint": "target", "target": "target", "data_fingerprint": "data"}
+# identity keys recorded since a later version: an older record without them resumes unchecked, with a note
+ADDED_IDENTITY = {"data_fingerprint": "the content of --data"}
 
 
 def part_name(p: int) -> str:
@@ -45,15 +53,7 @@ def _paths(out: str, p: int) -> tuple[str, str]:
 
 def committed_parts(out: str) -> set[int]:
     """Parts whose file and counts are both on disk (the counts are written first)."""
-    d = os.path.join(out, "data")
-    if not os.path.isdir(d):
-        return set()
-    done = set()
-    for name in os.listdir(d):
-        m = PART_RE.match(name)
-        if m and os.path.isfile(_paths(out, int(m.group(1)))[1]):
-            done.add(int(m.group(1)))
-    return done
+    return committed_regenerate_parts(out)
 
 
 def _atomic_write(path: str, text: str) -> None:
@@ -75,17 +75,47 @@ def _fmt(v) -> str:
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else repr(v)
 
 
-def _check_same(old: dict, new: dict, out: str) -> None:
-    diffs = []
+def _check_same(old: dict, new: dict, out: str) -> list[str]:
+    """Settings and identity of the record against this run's: the first difference is a ConfigError naming its
+    flag; returns notes for identity keys the record predates (not checked)."""
+    diffs, notes = [], []
     for key in ("settings", "identity"):
         a, b = old.get(key, {}), new[key]
-        diffs += [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+        for k in sorted(set(a) | set(b)):
+            if key == "identity" and k in ADDED_IDENTITY and k not in a:
+                notes.append(f"note: {out} records no fingerprint of {ADDED_IDENTITY[k]} (written by an older "
+                             "dflash): cannot check that it is unchanged since the output was started")
+            elif a.get(k) != b.get(k):
+                diffs.append((k, a.get(k), b.get(k)))
+    if diffs and diffs[0][0] == "data_fingerprint":
+        data = new["settings"]["data"]
+        raise ConfigError(f"--data: the content of {data} changed since {out} was started (content fingerprint "
+                          f"{diffs[0][1]} then, {diffs[0][2]} now): resuming would mix conversations of both; "
+                          "rerun with the data it was started with, or pass --overwrite to start over")
     if diffs:
         k, was, now = diffs[0]
         flag = "--" + SETTING_FLAGS.get(k, k).replace("_", "-")
         more = f" (also different: {', '.join(d[0] for d in diffs[1:])})" if len(diffs) > 1 else ""
         raise ConfigError(f"{flag}: {out} was regenerated with {k}={_fmt(was)}, this run has {k}={_fmt(now)}{more}; "
                           "rerun with the same settings to resume, or pass --overwrite to start over")
+    return notes
+
+
+def _check_weights(old: dict, weights: WeightsFingerprint | None, out: str, target: str) -> list[str]:
+    """The content fingerprint of this run's target against the record's: other weights (same config, names and
+    shapes) are a ConfigError naming the first tensor that differs; a record without one gets a note."""
+    recorded = old.get("weights")
+    if weights is None:
+        return []
+    if not isinstance(recorded, dict):
+        return [f"note: {out} records no content fingerprint of its target's weights (written by an older dflash): "
+                "cannot check that the parts still to do come from the same weights as the committed ones"]
+    diff = compare_full(recorded, weights)
+    if diff:
+        raise ConfigError(f"--target {target}: {out} was regenerated from other weights ({diff}); resuming would mix "
+                          "answers of two models: resume with the target it was started with, or pass --overwrite "
+                          "to start over")
+    return []
 
 
 def _remove_ours(out: str) -> None:
@@ -106,13 +136,18 @@ def check_out(out: str) -> dict | None:
     return old
 
 
-def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
-    """Create OUT or check that it holds this regeneration (rank 0 only). Never deletes files it did not write."""
+def prepare_out(out: str, meta: dict, overwrite: bool, weights: WeightsFingerprint | None = None,
+                target: str = "") -> list[str]:
+    """Create OUT or check that it holds this regeneration (rank 0 only): the module docstring's resume checks
+    against `meta` and `weights` (this run's target fingerprint). Never deletes files it did not write. Returns
+    notes for the user (checks an older record could not support)."""
     old = check_out(out)
+    notes: list[str] = []
     if old is not None and old.get("format") != FORMAT:
         raise ConfigError(f"--out: {out}/{META_NAME} is not a {FORMAT} record; choose another directory")
     if old is not None and not overwrite:
-        _check_same(old, meta, out)
+        notes += _check_weights(old, weights, out, target)
+        notes += _check_same(old, meta, out)
     os.makedirs(out, exist_ok=True)
     if old is None or overwrite:
         _remove_ours(out)
@@ -121,6 +156,7 @@ def prepare_out(out: str, meta: dict, overwrite: bool) -> None:
     os.makedirs(os.path.join(out, "data"), exist_ok=True)
     for stale in glob.glob(os.path.join(out, "data", TEMPORARY_GLOB)):  # left by a killed run: never a committed part
         os.remove(stale)
+    return notes
 
 
 def dataset_card(meta: dict) -> str:
@@ -171,7 +207,7 @@ def finalize(out: str, meta: dict) -> dict | None:
             st = json.load(f)
         for k in COUNT_KEYS:
             totals[k] += int(st.get(k, 0))
-    final = dict(meta, complete=True, counts=totals)
+    final = dict(read_meta(out) or meta, complete=True, counts=totals)  # the record as rank 0 wrote it (weights)
     _atomic_write(os.path.join(out, META_NAME), json.dumps(final, indent=2, sort_keys=True) + "\n")
     _atomic_write(os.path.join(out, "README.md"), dataset_card(final))
     return totals

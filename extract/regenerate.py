@@ -16,10 +16,12 @@ The command: conversations are split into parts of --part-size in dataset order;
 A finished part is committed as OUT/data/part-00007.jsonl (written to a temporary name, then renamed) after its
 counts (OUT/data/.part-00007.stats.json): a part either exists whole or not at all, a rerun skips committed parts,
 and the result is identical to an uninterrupted run. OUT/dflash_regenerate.json records the settings, the target
-and tokenizer fingerprints, the number of parts and, once every part is committed, the totals; a rerun with other
-settings is an error that names the flag, unless --overwrite. OUT/README.md is a dataset card whose `configs`
-block lets `datasets.load_dataset(OUT)` find the parts. That folder's code (parts, record, resume checks) is
-extract/regen_out.py.
+and tokenizer fingerprints, the content fingerprints of the target's weights and of the data files, the number of
+parts and, once every part is committed, the totals; a rerun with other settings, other weights or changed data is
+an error that names the flag (and the tensor), unless --overwrite. The weights are hashed in background threads
+while the data is read and the model loaded (the same files: one of the two reads is the page cache's).
+OUT/README.md is a dataset card whose `configs` block lets `datasets.load_dataset(OUT)` find the parts. That
+folder's code (parts, record, resume checks) is extract/regen_out.py.
 """
 
 from __future__ import annotations
@@ -28,17 +30,19 @@ import itertools
 import math
 import os
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from dflash.core import progress
-from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
+from dflash.core.chat import DataError, content_of, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.core.paths import output_lock
-from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info
+from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info, text_config
+from dflash.core.weights import fingerprint
 
 from .data import ChatTokenizer, tokenizer_fingerprint
 from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
@@ -94,7 +98,8 @@ class RegenerateConfig:
     stop_at_eos: bool = True
     # True: a conversation's next turn goes on in its row (the ids between the turns are fed one per decode step;
     # the history is not prefilled again). Off by default until measured on a GPU: on 2 CPU cores with SmolLM2
-    # it fed 340 ids in 115 more decode steps to save 1,323 prefilled ids, and was slower (bench/regen_turns.py)
+    # it fed 340 ids in 115 more decode steps to save 1,323 prefilled ids, and was slower
+    # (bench/regenerate.py --turns on,off)
     continue_turns: bool = False
     # "all": every assistant turn, each seeing the target's own earlier answers; "last": only the last one, after
     # the history as the data has it (its assistant turns kept as context, marked "weight": 0, not trained on)
@@ -185,6 +190,7 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
 
     hf_cfg = load_config(cfg.target)
     check_attention_only(hf_cfg, cfg.target)
+    weights_job = _fingerprint_in_background(cfg.target, hf_cfg) if dist.is_main else None
     tokenizer = load_tokenizer(cfg.target)
     chat = ChatTokenizer(tokenizer, cfg.chat_template_kwargs, chat_template=cfg.chat_template)
     ds = load_chat_dataset(cfg.data, split=cfg.split, max_samples=cfg.max_samples)
@@ -196,7 +202,7 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
         "identity": {"rows": n_rows, "target": {k: v for k, v in target_info(cfg.target, hf_cfg).as_dict().items()
                                                  if k not in ("name_or_path",)},
                      "tokenizer_fingerprint": tokenizer_fingerprint(tokenizer),
-                     "chat_template_fingerprint": chat.fingerprint},
+                     "chat_template_fingerprint": chat.fingerprint, "data_fingerprint": content_of(ds)},
         "target": target_info(cfg.target, hf_cfg).as_dict(),
     }
     mine = [p for p in range(n_parts) if p % dist.world == dist.rank]
@@ -206,8 +212,14 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
     if not before and dist.world == 1 and not any(st["convs"] for st in parts.values()):
         raise DataError(f"{cfg.data}: no conversation could be regenerated: none of the {n_rows} rows has a user "
                         "turn before its first assistant turn")
+    model = None
+    if any(p not in before for p in mine):  # loaded while the weights are hashed
+        model = load_causal_lm(cfg.target, device=dev, dtype=dtype, attn_impl="sdpa")
     if dist.is_main:
-        prepare_out(cfg.out, meta, cfg.overwrite)
+        weights = weights_job.result()
+        meta["weights"] = weights.as_dict()
+        for note in prepare_out(cfg.out, meta, cfg.overwrite, weights, cfg.target):
+            print0(f"regenerate: {note}")
     barrier()
     done_parts = committed_parts(cfg.out)
     todo = [p for p in mine if p not in done_parts]
@@ -220,7 +232,7 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
     t0 = time.perf_counter()
     run_stats = {"generated_tokens": 0, "conversations": 0, "seconds": 0.0}
     if todo:
-        run_stats = _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress)
+        run_stats = _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress, model)
     elapsed = time.perf_counter() - t0
     gen_s = run_stats["seconds"]
 
@@ -265,6 +277,14 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
     return summary
 
 
+def _fingerprint_in_background(target: str, hf_cfg) -> Future:
+    """The content fingerprint of the target's weights (dflash.core.weights), computed in background threads."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="dflash-fingerprint")
+    job = pool.submit(fingerprint, target, tied=bool(getattr(text_config(hf_cfg), "tie_word_embeddings", False)))
+    pool.shutdown(wait=False)
+    return job
+
+
 def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
     """{part: {"convs", "stats", "left"}}: the conversations of these parts, normalised and checked."""
     parts: dict[int, dict] = {}
@@ -284,9 +304,10 @@ def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
     return parts
 
 
-def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress) -> dict[str, int]:
+def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress,
+                      model=None) -> dict[str, int]:
     total = sum(st["stats"]["rows"] for st in parts.values())
-    model = load_causal_lm(cfg.target, device=dev, dtype=dtype, attn_impl="sdpa")
+    model = model if model is not None else load_causal_lm(cfg.target, device=dev, dtype=dtype, attn_impl="sdpa")
     batch, max_tokens, prefill = plan_engine(hf_cfg, dtype, dev, cfg.batch_size, cfg.max_batch_tokens,
                                              cfg.prefill_tokens)
     eos = eos_ids_of(model, tokenizer) if cfg.stop_at_eos else set()

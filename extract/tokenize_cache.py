@@ -10,13 +10,20 @@ Contract:
     tokenize_dataset and write flat arrays; the parent concatenates them in row order. DataError from a
     worker (it names the global row) is raised in the parent.
   * Cache: a directory `<cache_dir>/<key>` with ids.npy (int32), mask.npy (uint8), offsets.npy (int64,
-    n+1), sample_index.npy (int64) and meta.json (counts, the data fingerprint), made visible by one rename
-    (a crash leaves no half-written entry). key = sha256 of (the dataset's fingerprint as `datasets` computes
-    it for the loaded files and selection, the source path, the tokenizer fingerprint, the chat template
-    fingerprint, seq_len, this module's format version). Entries are read with mmap: resident memory stays
-    that of the arrays actually touched.
-  * Ranks: under torchrun the node's local rank 0 builds a missing entry while the others wait at a barrier,
-    then every rank maps it. A dataset without a fingerprint (a list of dicts) is tokenised in memory, uncached.
+    n+1), sample_index.npy (int64) and meta.json (counts, the data fingerprint, the size and sha256 tree digest
+    of each array file, and a checksum of its own fields), made visible by one rename (a crash leaves no
+    half-written entry). key = sha256 of (the content fingerprint of the data files as load_chat_dataset
+    records it, else the dataset's fingerprint as `datasets` computes it; the source path, the number of rows,
+    the tokenizer fingerprint, the chat template fingerprint, seq_len, this module's format version). Entries
+    are read with mmap: resident memory stays that of the arrays actually touched.
+  * Checked on every read: before an entry is used its files are compared with the sizes and digests its
+    meta.json recorded when it was written (dflash.core.io.check_files: sizes first, then one streamed read
+    hashed in parallel threads). A damaged entry (bytes changed, a file cut short or missing, meta.json
+    garbled) is never used: it is removed and rebuilt, with a note naming the file. So an unchanged key never
+    yields other ids than tokenising again would.
+  * Ranks: under torchrun the node's local rank 0 checks the entry and builds a missing or damaged one while
+    the others wait at a barrier, then every rank maps it. A dataset without a fingerprint (a list of dicts) is
+    tokenised in memory, uncached.
 """
 
 from __future__ import annotations
@@ -30,11 +37,13 @@ import time
 
 import numpy as np
 
-from dflash.core.io import short_hash
+from dflash.core.chat import content_of
+from dflash.core.io import check_files, file_record, short_hash
 
 from .data import ChatTokenizer, TokenizedData, check_usable, data_fingerprint, tokenize_dataset, tokenizer_fingerprint
 
-FORMAT = 1
+FORMAT = 2  # 2: meta.json records the size and digest of every array file (entries of format 1 are not read)
+ARRAY_FILES = ("ids.npy", "mask.npy", "offsets.npy", "sample_index.npy")
 _COUNTS = ("total", "used", "truncated", "skipped_no_assistant", "skipped_too_long_prompt", "tokens",
            "supervised_tokens")
 
@@ -72,7 +81,7 @@ class FlatTokenizedData(TokenizedData):
 
 
 def cache_key(ds, source: str, chat_tok: ChatTokenizer, seq_len: int) -> str | None:
-    fp = getattr(ds, "_fingerprint", None)
+    fp = content_of(ds) or getattr(ds, "_fingerprint", None)
     if not fp:
         return None
     payload = json.dumps([FORMAT, fp, os.path.abspath(str(source)), len(ds), tokenizer_fingerprint(chat_tok.tokenizer),
@@ -150,9 +159,32 @@ def tokenize_parallel(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, wo
             **counts}
     data = _load(out_dir, meta)
     meta["data_fingerprint"] = data_fingerprint(data)
+    meta["files"] = file_record({name: os.path.join(out_dir, name) for name in ARRAY_FILES})
+    meta["checksum"] = _meta_checksum(meta)
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f)
     return meta
+
+
+def _meta_checksum(meta: dict) -> str:
+    return short_hash(json.dumps({k: v for k, v in meta.items() if k != "checksum"}, sort_keys=True))
+
+
+def entry_problem(path: str) -> str | None:
+    """None when the entry at `path` is whole (its meta.json reads, carries its own checksum, and every array file
+    has the size and digest recorded at write), else what is wrong, naming the file."""
+    try:
+        with open(os.path.join(path, "meta.json")) as f:
+            meta = json.load(f)
+    except FileNotFoundError:
+        return "meta.json: missing"
+    except (OSError, ValueError) as e:
+        return f"meta.json: not readable JSON ({e})"
+    if not isinstance(meta, dict) or meta.get("checksum") != _meta_checksum(meta):
+        return "meta.json: its fields differ from the checksum recorded when it was written"
+    if meta.get("format") != FORMAT or not isinstance(meta.get("files"), dict):
+        return f"meta.json: format {meta.get('format')!r}, expected {FORMAT}"
+    return check_files(meta["files"], {name: os.path.join(path, name) for name in ARRAY_FILES})
 
 
 def _load(path: str, meta: dict | None = None) -> FlatTokenizedData:
@@ -185,6 +217,14 @@ def tokenize_cached(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, cach
             return data
     final = os.path.join(cache_dir, key)
     local_main = dist is None or int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if local_main and os.path.isdir(final):
+        problem = entry_problem(final)
+        if problem:
+            print(f"extract: note: the tokenise cache entry {final} is damaged ({problem}); rebuilding it",
+                  flush=True)
+            aside = f"{final}.damaged-{os.getpid()}"
+            os.rename(final, aside)  # out of the way at once (a reader elsewhere sees no entry, not a damaged one)
+            shutil.rmtree(aside, ignore_errors=True)
     if local_main and not os.path.exists(os.path.join(final, "meta.json")):
         os.makedirs(cache_dir, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir)

@@ -8,9 +8,20 @@ iterate rows, and the end-of-sequence ids generation stops at.
 A row is a conversation in the OpenAI format (`messages`: [{role, content}]) or the ShareGPT format
 (`conversations`: [{from, value}]); where `prompt=True` (regenerate, eval), a row with neither may instead
 have a `prompt` string, read as one user turn. Every problem with the input raises DataError with a message
-that names the file, the row (0-based index in the dataset) and the field. A directory written by
-`dflash regenerate` carries REGENERATE_META beside its parts: that file is not data, and a directory whose
-record says it is incomplete is refused.
+that names the file, the row (0-based index in the dataset) and the field; invalid JSON names the file and line.
+
+Content, not names: `load_chat_dataset` fingerprints the files it reads by their bytes (content_fingerprint:
+sizes + a streamed sha256 tree digest, hashed in parallel threads; no path, no mtime) and records it on the
+dataset as `ds.dflash_content`. The datasets library keys its own cache of a local file by path and mtime only,
+so a file rewritten with its mtime restored (or copied over with `cp -p`, or edited within the mtime's
+resolution) would be served stale from that cache; the load is therefore pointed at a cache directory named by
+the content fingerprint (HF_DATASETS_CACHE/dflash-content/<fingerprint>): an entry there can only hold these
+bytes, a first load of new content parses the files once as before, and a repeated load reuses it. Hashing
+costs one read of the files (page-cached by the load that follows) at a few hundred MB/s per core.
+
+A `dflash regenerate` output (OUT) carries REGENERATE_META beside its parts (OUT/data/part-*.jsonl): that file
+is not data, and data that lies in an output whose parts are not all committed (pointed at as OUT, OUT/data, a
+glob or a part file) is refused naming how many parts are committed and which are missing.
 """
 
 from __future__ import annotations
@@ -18,9 +29,11 @@ from __future__ import annotations
 import glob
 import json
 import os
+import re
 from collections.abc import Iterator, Mapping
 
 from dflash.core.errors import DflashError
+from dflash.core.io import Extent, short_hash, tree_digests
 
 
 class DataError(DflashError):
@@ -56,6 +69,19 @@ def _is_saved_dataset(directory: str) -> bool:
 
 
 REGENERATE_META = "dflash_regenerate.json"  # written beside its parts by `dflash regenerate`: not data
+REGENERATE_PART = re.compile(r"^part-(\d{5,})\.jsonl$")  # OUT/data/part-00007.jsonl; its counts beside it first
+
+
+def committed_regenerate_parts(out: str) -> set[int]:
+    """The parts of the regenerate output OUT that are committed: a part file with its counts file
+    (OUT/data/.part-00007.stats.json, written first) beside it."""
+    d = os.path.join(out, "data")
+    try:
+        names = set(os.listdir(d))
+    except OSError:
+        return set()
+    return {int(m.group(1)) for n in names if (m := REGENERATE_PART.match(n))
+            and f".part-{m.group(1)}.stats.json" in names}
 
 
 def _data_files_under(directory: str) -> list[str]:
@@ -67,19 +93,141 @@ def _data_files_under(directory: str) -> list[str]:
     return sorted(files)
 
 
-def _check_regenerated(directory: str) -> None:
-    """A `dflash regenerate` output must be complete: a partial one would be used as if it were the whole."""
+def _check_regenerated(path: str, local: str, files: list[str]) -> None:
+    """Data inside a `dflash regenerate` output must come from a finished one: a partial output would be used as
+    if it were the whole. OUT is recognised from --data itself (OUT, or OUT/data) and from every file read."""
+    outs = set()
+    if os.path.isdir(local):
+        outs.add(os.path.abspath(local))
+        if os.path.basename(os.path.abspath(local)) == "data":
+            outs.add(os.path.dirname(os.path.abspath(local)))
+    for f in files:
+        d = os.path.dirname(os.path.abspath(f))
+        if os.path.basename(d) == "data":
+            outs.add(os.path.dirname(d))
+    for out in sorted(outs):
+        try:
+            with open(os.path.join(out, REGENERATE_META), encoding="utf-8") as f:
+                meta = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(meta, dict):
+            continue
+        parts = meta.get("parts")
+        done = committed_regenerate_parts(out)
+        if isinstance(parts, int) and parts >= 0:
+            missing = sorted(set(range(parts)) - done)
+            if not missing and meta.get("complete") is not False:
+                continue
+            if not missing:  # every part is there but the record was not finalised (killed at the very end)
+                raise DataError(f"--data {path}: {out} is an unfinished `dflash regenerate` output ({parts} of "
+                                f"{parts} parts committed, its record not finalised); rerun the same `dflash "
+                                "regenerate` command to finish it")
+            names = ", ".join(f"part-{p:05d}.jsonl" for p in missing[:4]) + (
+                f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+            how = ("its record says complete, but parts were removed" if meta.get("complete")
+                   else "an unfinished `dflash regenerate` output")
+            raise DataError(f"--data {path}: {out} is {how}: {parts - len(missing)} of {parts} parts committed "
+                            f"(missing {names}); rerun the same `dflash regenerate` command to finish it")
+        elif meta.get("complete") is False:
+            raise DataError(f"--data {path}: {out} is an unfinished `dflash regenerate` output (not every part is "
+                            "committed); rerun the same `dflash regenerate` command to finish it")
+
+
+def content_fingerprint(files: list[str], threads: int | None = None) -> str:
+    """A fingerprint of the bytes of `files`, in order: each file's size and sha256 tree digest (dflash.core.io,
+    hashed in parallel threads), not its name, path or mtime. A copy elsewhere has the same fingerprint."""
+    sizes = [os.path.getsize(f) for f in files]
     try:
-        with open(os.path.join(directory, REGENERATE_META), encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return
-    if isinstance(meta, dict) and meta.get("complete") is False:
-        raise DataError(f"{directory} is an unfinished `dflash regenerate` output (not every part is committed); "
-                        "rerun the same `dflash regenerate` command to finish it")
+        digests = tree_digests([Extent(str(i), f, 0, n) for i, (f, n) in enumerate(zip(files, sizes))], threads)
+    except OSError as e:
+        raise DataError(f"cannot read the data: {e}") from e
+    return short_hash(json.dumps([[n, digests[str(i)]] for i, n in enumerate(sizes)]), chars=32)
 
 
-def _load_files(path: str, files: list[str], split: str):
+def _content_cache_dir(content: str) -> str:
+    """datasets' cache directory for files of this content (module docstring: why not its default one)."""
+    import datasets
+
+    return os.path.join(str(datasets.config.HF_DATASETS_CACHE), "dflash-content", content)
+
+
+def _open_bytes(path: str):
+    """A binary file object of a data file, decompressed by its suffix (None: a codec that is not installed)."""
+    lower = path.lower()
+    try:
+        if lower.endswith(".gz"):
+            import gzip
+
+            return gzip.open(path, "rb")
+        if lower.endswith(".bz2"):
+            import bz2
+
+            return bz2.open(path, "rb")
+        if lower.endswith(".xz"):
+            import lzma
+
+            return lzma.open(path, "rb")
+        if lower.endswith((".zst", ".lz4")):
+            return None
+        return open(path, "rb")
+    except (OSError, ImportError):
+        return None
+
+
+def first_bad_json(path: str) -> str | None:
+    """Where a .json/.jsonl file is not valid JSON ("line 8: invalid JSON (...)"), else None. JSON Lines
+    (its first line alone is a JSON value) is checked line by line, each line an object; otherwise the file is
+    one JSON document. Read only when the loader has failed, to say where."""
+    fh = _open_bytes(path)
+    if fh is None:
+        return None
+    try:
+        with fh:
+            data = fh.read()
+    except (OSError, EOFError, ValueError) as e:
+        return f"cannot be read: {e}"
+    lines = data.split(b"\n")
+
+    def text(i: int, raw: bytes) -> str | None:
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"line {i}: not UTF-8 text ({e.reason} at byte {e.start} of the line)")
+
+    try:
+        first = next(((i, ln) for i, ln in enumerate(lines, 1) if ln.strip()), None)
+        if first is None:
+            return None
+        try:
+            json.loads(text(*first))
+            jsonl = True
+        except json.JSONDecodeError:
+            jsonl = False
+        if not jsonl:
+            try:
+                json.loads(data.decode("utf-8"))
+            except UnicodeDecodeError:
+                for i, ln in enumerate(lines, 1):
+                    text(i, ln)
+            except json.JSONDecodeError as e:
+                return f"line {e.lineno}: invalid JSON ({e.msg}, column {e.colno})"
+            return None
+        for i, raw in enumerate(lines, 1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(text(i, raw))
+            except json.JSONDecodeError as e:
+                return f"line {i}: invalid JSON ({e.msg}, column {e.colno})"
+            if not isinstance(value, dict):
+                return f"line {i}: a JSON Lines row must be an object, got {type(value).__name__}"
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _load_files(path: str, files: list[str], split: str, content: str):
     import datasets
 
     kinds = {}
@@ -98,11 +246,16 @@ def _load_files(path: str, files: list[str], split: str):
     if _no_rows(kind, files):  # datasets cannot build an empty split: say so before it fails obscurely
         raise DataError(f"{path} has no rows")
     try:
-        # A packaged builder on local files: no network access (nothing is resolved on the Hub).
-        return datasets.load_dataset(kind, data_files=files, split="train")
+        # A packaged builder on local files: no network access (nothing is resolved on the Hub); its cache
+        # directory is named by the files' content (module docstring).
+        return datasets.load_dataset(kind, data_files=files, split="train", cache_dir=_content_cache_dir(content))
     except Exception as e:  # pyarrow / json errors: say which path failed
         if "corresponds to no data" in str(e):
             raise DataError(f"{path} has no rows") from e
+        for f in files if kind == "json" else ():
+            where = first_bad_json(f)
+            if where:
+                raise DataError(f"could not read {f} as json: {where}") from e
         raise DataError(f"could not read {path} as {kind}: {type(e).__name__}: {e}") from e
 
 
@@ -123,6 +276,12 @@ def _no_rows(kind: str, files: list[str]) -> bool:
         return True
     except Exception:  # unreadable: the loader reports it
         return False
+
+
+def _saved_files(directory: str) -> list[str]:
+    """The files of a save_to_disk dataset (what its content is), in name order."""
+    return sorted(os.path.join(directory, n) for n in os.listdir(directory)
+                  if not n.startswith(".") and os.path.isfile(os.path.join(directory, n)))
 
 
 def _load_saved(path: str, split: str):
@@ -156,13 +315,13 @@ def _load_saved(path: str, split: str):
     if isinstance(loaded, datasets.DatasetDict):  # not reached for a well-formed save; kept for safety
         if split not in loaded:
             raise DataError(f"{path} has no split {split!r}; available splits: {', '.join(sorted(loaded))}")
-        return loaded[split]
+        return loaded[split], _saved_files(where)
     if where != path:
-        return loaded
+        return loaded, _saved_files(where)
     recorded = getattr(loaded, "split", None)
     if split != "train" and recorded is not None and str(recorded) != split:
         raise DataError(f"{path} is a single dataset of split {str(recorded)!r}, not {split!r}")
-    return loaded
+    return loaded, _saved_files(where)
 
 
 def load_chat_dataset(path: str, split: str = "train", max_samples: int | None = None):
@@ -170,7 +329,8 @@ def load_chat_dataset(path: str, split: str = "train", max_samples: int | None =
 
     `path`: a .json/.jsonl/.parquet file, a glob of them, a directory of them (searched recursively, sorted), or a
     directory written by `Dataset.save_to_disk` / `DatasetDict.save_to_disk` (then `split` picks the split).
-    `max_samples`: keep the first N rows (deterministic). Returns a `datasets.Dataset`.
+    `max_samples`: keep the first N rows (deterministic). Returns a `datasets.Dataset` whose `dflash_content` is the
+    content fingerprint of the files it was read from (content_of; the module docstring says why).
     """
     if max_samples is not None and int(max_samples) < 1:
         raise DataError(f"max_samples must be >= 1, got {max_samples}")
@@ -178,27 +338,40 @@ def load_chat_dataset(path: str, split: str = "train", max_samples: int | None =
     local = os.path.expanduser(path)
     if any(c in local for c in "*?[") and not os.path.exists(local):
         files = sorted(f for f in glob.glob(local, recursive=True) if os.path.isfile(f))
+        _check_regenerated(path, local, files)
         if not files:
             raise DataError(f"no files match {path}")
-        ds = _load_files(path, files, split)
+        content = content_fingerprint(files)
+        ds = _load_files(path, files, split, content)
     elif os.path.isdir(local):
         if _is_saved_dataset(local):
-            ds = _load_saved(local, split)
+            ds, saved = _load_saved(local, split)
+            content = content_fingerprint(saved)
         else:
-            _check_regenerated(local)
             files = _data_files_under(local)
+            _check_regenerated(path, local, files)
             if not files:
                 raise DataError(f"{path} is a directory with no {_SUPPORTED} files and no save_to_disk dataset")
-            ds = _load_files(path, files, split)
+            content = content_fingerprint(files)
+            ds = _load_files(path, files, split, content)
     elif os.path.isfile(local):
-        ds = _load_files(path, [local], split)
+        _check_regenerated(path, local, [local])
+        content = content_fingerprint([local])
+        ds = _load_files(path, [local], split, content)
     else:
         raise DataError(f"data path {path} does not exist")
     if len(ds) == 0:
         raise DataError(f"{path} has no rows" + (f" in split {split!r}" if split != "train" else ""))
     if max_samples is not None and max_samples < len(ds):
         ds = ds.select(range(int(max_samples)))
+    ds.dflash_content = content
     return ds
+
+
+def content_of(ds) -> str | None:
+    """The content fingerprint of the files a dataset from load_chat_dataset was read from (None otherwise: a
+    dataset built in memory, or one derived from it by select/map)."""
+    return getattr(ds, "dflash_content", None)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,13 @@ Contract:
   records that is "sha256 of one payload" goes through it (16 digits; the tokenisation cache key uses 24,
   dflash.core.weights 32). dflash_cache keeps its own `fingerprint(*parts)` (it imports
   nothing of dflash, and it hashes JSON parts with separators: a different function).
+- `tree_digests(extents)` is the content digest of byte ranges of files (the tensors of a target, whole data
+  files, checkpoint and tokenise-cache files): per extent, sha256 over the sha256 digests of its consecutive
+  `piece`-byte pieces (a one-level tree, so one large file is hashed by many threads at once). Pieces are read
+  with os.preadv into per-thread buffers and hashed in a thread pool; both release the GIL, so the threads run
+  in parallel and do nothing but file I/O and hashing. Streamed: memory is one piece per thread. A file shorter
+  than its extent is an OSError naming it. `file_record(paths)` / `check_files(record, paths)` are the
+  size + digest record of whole files and its check: what a later read trusts a file on.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Iterable
+import threading
+from collections.abc import Iterable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 TEMPORARY_GLOB = ".*.tmp-*"  # atomic_write's temporary names: left behind only by a process killed mid-write
 
@@ -72,3 +82,103 @@ def short_hash(payload: bytes | str | Iterable[bytes], chars: int = 16) -> str:
         for chunk in payload:
             h.update(chunk)
     return h.hexdigest()[:chars]
+
+
+# ------------------------------------------------------------------------------------------------ content digests
+
+PIECE = 16 << 20  # bytes per hashed piece
+DIGEST_CHARS = 32  # hex digits kept of a tree digest (128 bits)
+
+
+@dataclass
+class Extent:
+    """Where one named run of bytes lies: `name` in `file` at [offset, offset + size)."""
+
+    name: str
+    file: str
+    offset: int
+    size: int
+
+
+def default_threads() -> int:
+    return min(32, os.cpu_count() or 1)
+
+
+class _Hasher:
+    """Pieces of extents hashed in a pool; each thread keeps one read buffer, and one fd per file is shared."""
+
+    def __init__(self, threads: int, piece: int):
+        self.threads, self.piece_size = max(1, threads), int(piece)
+        self.local = threading.local()
+        self.fds: dict[str, int] = {}
+        self.lock = threading.Lock()
+
+    def fd(self, path: str) -> int:
+        with self.lock:
+            if path not in self.fds:
+                self.fds[path] = os.open(path, os.O_RDONLY)
+            return self.fds[path]
+
+    def piece(self, ext: Extent, start: int, size: int) -> bytes:
+        buf = getattr(self.local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = self.local.buf = bytearray(max(size, self.piece_size))
+        view = memoryview(buf)[:size]
+        fd, got = self.fd(ext.file), 0
+        while got < size:
+            n = os.preadv(fd, [view[got:]], ext.offset + start + got)
+            if n <= 0:
+                raise OSError(f"{ext.file}: {ext.name} ends past the end of the file (truncated?)")
+            got += n
+        return hashlib.sha256(view).digest()
+
+    def run(self, exts: list[Extent]) -> dict[str, str]:
+        step = self.piece_size
+        jobs = [(i, s, min(step, e.size - s)) for i, e in enumerate(exts) for s in range(0, max(e.size, 1), step)]
+        try:
+            with ThreadPoolExecutor(self.threads, thread_name_prefix="dflash-hash") as pool:
+                digests = list(pool.map(lambda j: self.piece(exts[j[0]], j[1], j[2]) if j[2] > 0 else b"", jobs))
+        finally:
+            for fd in self.fds.values():
+                os.close(fd)
+        per: dict[int, hashlib._Hash] = {}
+        for (i, _, _), d in zip(jobs, digests):
+            per.setdefault(i, hashlib.sha256()).update(d)
+        return {exts[i].name: h.hexdigest()[:DIGEST_CHARS] for i, h in per.items()}
+
+
+def tree_digests(extents: Iterable[Extent], threads: int | None = None, piece: int = PIECE) -> dict[str, str]:
+    """name -> tree digest of each extent (module docstring); OSError if a file cannot be read or is too short."""
+    return _Hasher(threads or default_threads(), piece).run(list(extents))
+
+
+def file_record(paths: Mapping[str, str], threads: int | None = None) -> dict[str, dict]:
+    """{name: {"size", "sha256"}} of whole files (name -> path): what check_files later compares them with."""
+    sizes = {name: os.path.getsize(p) for name, p in paths.items()}
+    digests = tree_digests([Extent(name, p, 0, sizes[name]) for name, p in paths.items()], threads)
+    return {name: {"size": sizes[name], "sha256": digests[name]} for name in paths}
+
+
+def check_files(record: Mapping[str, Mapping], paths: Mapping[str, str], threads: int | None = None) -> str | None:
+    """None when every recorded file (name -> path) has its recorded size and digest, else what is wrong with the
+    first one that does not ("model.safetensors: 1,234 bytes, 2,468 recorded"). Sizes are checked before any
+    byte is hashed (a file cut short costs nothing to find)."""
+    exts = []
+    for name in sorted(record):
+        want = record[name]
+        path = paths.get(name)
+        if path is None or not os.path.isfile(path):
+            return f"{name}: missing"
+        size = os.path.getsize(path)
+        if not isinstance(want, Mapping) or size != want.get("size"):
+            got = want.get("size") if isinstance(want, Mapping) else None
+            return f"{name}: {size:,} bytes, {got if not isinstance(got, int) else f'{got:,}'} recorded"
+        exts.append(Extent(name, path, 0, size))
+    try:
+        digests = tree_digests(exts, threads)
+    except OSError as e:
+        return f"cannot read: {e}"
+    for e in exts:
+        if digests[e.name] != record[e.name].get("sha256"):
+            return f"{e.name}: its bytes differ from the checksum recorded when it was written"
+    return None

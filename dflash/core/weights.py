@@ -8,9 +8,9 @@ bytes differ. So the fingerprint is a digest per tensor, read straight from the 
     .bin / .pt    one digest per file (pickles have no cheap tensor index)
 
 A tensor's digest is sha256 over the sha256 digests of its consecutive 16 MiB pieces (a one-level
-tree), so that one large tensor (an embedding of 1.2 GB) is hashed by many threads at once. Pieces
-are read with os.pread into per-thread buffers and hashed in a thread pool: both release the GIL, and
-the threads do nothing but file I/O and hashing. Digests are 32 hex characters (128 bits).
+tree), so that one large tensor (an embedding of 1.2 GB) is hashed by many threads at once: the tree
+digest of dflash.core.io.tree_digests (pieces read with os.preadv and hashed in a thread pool; both
+release the GIL). Digests are 32 hex characters (128 bits).
 
     fp = fingerprint("path/to/target")          # WeightsFingerprint
     fp.as_dict()  ->  {"scheme": ..., "digest": <combined>, "tensors": {name: digest}, "roles": {...}}
@@ -24,21 +24,17 @@ the role tensors of its --target and compares them with what the cache recorded 
 from __future__ import annotations
 
 import glob
-import hashlib
 import json
 import os
 import struct
-import threading
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from dflash.core.errors import DflashError
-from dflash.core.io import short_hash
+from dflash.core.io import DIGEST_CHARS, Extent, default_threads, short_hash, tree_digests  # noqa: F401
 
 SCHEME = "sha256-tree-16MiB-v1"
-PIECE = 16 << 20
-DIGEST_CHARS = 32
+PIECE = 16 << 20  # the scheme's piece size (a test may lower it: read at call time)
 
 EMBEDDING_NAMES = ("model.embed_tokens.weight", "model.language_model.embed_tokens.weight", "transformer.wte.weight",
                    "token_embd.weight")
@@ -47,15 +43,6 @@ LM_HEAD_NAMES = ("lm_head.weight", "model.lm_head.weight", "output.weight")
 
 class WeightsError(DflashError):
     """Weights that cannot be fingerprinted, or that differ from what a cache recorded."""
-
-
-@dataclass
-class Extent:
-    """Where one tensor's bytes lie: `name` in `file` at [offset, offset + size)."""
-    name: str
-    file: str
-    offset: int
-    size: int
 
 
 @dataclass
@@ -153,54 +140,7 @@ def find_roles(names: Iterable[str], tied: bool | None = None) -> dict[str, str]
 
 
 # ------------------------------------------------------------------------------------------------ hashing
-
-
-class _Hasher:
-    """Pieces of extents hashed in a pool; each thread keeps one read buffer and one fd per file."""
-
-    def __init__(self, threads: int):
-        self.threads = max(1, threads)
-        self.local = threading.local()
-        self.fds: dict[str, int] = {}
-        self.lock = threading.Lock()
-
-    def fd(self, path: str) -> int:
-        with self.lock:
-            if path not in self.fds:
-                self.fds[path] = os.open(path, os.O_RDONLY)
-            return self.fds[path]
-
-    def piece(self, ext: Extent, start: int, size: int) -> bytes:
-        buf = getattr(self.local, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = self.local.buf = bytearray(max(size, PIECE))
-        view = memoryview(buf)[:size]
-        fd, got = self.fd(ext.file), 0
-        while got < size:
-            n = os.preadv(fd, [view[got:]], ext.offset + start + got)
-            if n <= 0:
-                raise WeightsError(f"{ext.file}: tensor {ext.name} ends past the end of the file (truncated?)")
-            got += n
-        return hashlib.sha256(view).digest()
-
-    def run(self, exts: list[Extent]) -> dict[str, str]:
-        jobs = [(i, s, min(PIECE, e.size - s)) for i, e in enumerate(exts) for s in range(0, max(e.size, 1), PIECE)]
-        try:
-            with ThreadPoolExecutor(self.threads, thread_name_prefix="dflash-hash") as pool:
-                digests = list(pool.map(lambda j: self.piece(exts[j[0]], j[1], j[2]) if j[2] > 0 else b"", jobs))
-        except OSError as e:
-            raise WeightsError(f"cannot read target weights: {e}") from e
-        finally:
-            for fd in self.fds.values():
-                os.close(fd)
-        per: dict[int, hashlib._Hash] = {}
-        for (i, _, _), d in zip(jobs, digests):
-            per.setdefault(i, hashlib.sha256()).update(d)
-        return {exts[i].name: h.hexdigest()[:DIGEST_CHARS] for i, h in per.items()}
-
-
-def default_threads() -> int:
-    return min(32, os.cpu_count() or 1)
+# (dflash.core.io.tree_digests: the pieces of every extent hashed in a thread pool)
 
 
 def combined_digest(tensors: dict[str, str]) -> str:
@@ -224,7 +164,10 @@ def fingerprint(path: str, names: Iterable[str] | None = None, *, threads: int |
     if names is not None:
         wanted = set(names)
         exts = [e for e in exts if e.name in wanted]
-    tensors = _Hasher(threads or default_threads()).run(exts)
+    try:
+        tensors = tree_digests(exts, threads, piece=PIECE)
+    except OSError as e:
+        raise WeightsError(f"cannot read target weights: {e}") from e
     return WeightsFingerprint(SCHEME, combined_digest(tensors), tensors, roles, sum(e.size for e in exts))
 
 
