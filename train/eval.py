@@ -12,6 +12,26 @@ tau = mean over steps of (accepted + 1). Greedy speculative decoding is lossless
 must equal the target-only output: exact in float32; in bf16 on GPU the match rate is reported.
 The decoding loop lives in train/decode.py, the target in train/verify.py, the DFlash proposer in
 train/drafting.py; this module loads, runs and reports.
+
+Prompt rows may carry a `set` (e.g. "in-source" / "out-of-source": prompts like the training data's, and from
+elsewhere) and a `category` (e.g. MT-Bench's writing, coding, ...): the report then has the figures of every set
+and category too, and the printed report a table with one line per set and per category within it.
+
+The JSON report (--json; schema SCHEMA, the same keys on every run):
+  schema, config, device, dtype, prompts, block_size, drafter_layers, draft_graph, target_attention,
+  target, dflash, ngram    one METHOD object each over all prompts (ngram when EvalConfig.ngram, the default;
+                           target: the target alone, speedup 1 and identical = prompts by definition)
+  tau_gain_over_ngram      dflash tau / n-gram tau (with ngram)
+  sets                     {set: GROUP} in the order of the data; {} when no row has a `set`
+  categories               {category: GROUP} over all prompts; {} when no row has a `category`
+  target_tokens_per_s, target_tokens, plot    (as in earlier reports)
+METHOD: name, tau, speedup (tokens/s over the target's), tokens_per_s, identical (outputs equal to the target's
+  own), prompts, tokens, steps, seconds, tau_per_prompt, accept_length_hist, slot_accept_rate, time_s,
+  ms_per_step; dflash and ngram also outputs_identical (= identical), output_match_rate, token_match_rate and
+  differences (classify_differences).
+GROUP: prompts, target, dflash, ngram (when run): each {tau, speedup, tokens_per_s, identical, prompts, tokens,
+  steps, seconds} over the group's prompts (tau: its accepted tokens over its steps; speedup: against the target
+  on the same prompts); tau_over_ngram; a set's GROUP has `categories` too: {category: GROUP} within the set.
 """
 
 from __future__ import annotations
@@ -108,6 +128,61 @@ def load_prompts(cfg: EvalConfig, tokenizer) -> list[list[int]]:
     return prompts
 
 
+SCHEMA = "dflash.eval/1"
+LABELS = ("set", "category")  # the optional prompt-row fields the report groups by
+
+
+def prompt_labels(cfg: EvalConfig, n: int) -> list[dict[str, str | None]]:
+    """{"set", "category"} of each of the n prompts load_prompts selected (None where the row has none)."""
+    ds = load_chat_dataset(cfg.data, split=cfg.split)
+    lo = min(cfg.skip_prompts, len(ds))
+    names = getattr(ds, "column_names", None) or []
+    sub = ds.select(range(lo, lo + n)) if hasattr(ds, "select") else None
+    cols = {k: (sub[k] if sub is not None and k in names else [None] * n) for k in LABELS}
+    return [{k: (None if cols[k][i] is None else str(cols[k][i])) for k in LABELS} for i in range(n)]
+
+
+def group_method(decodes: list[Decode], refs: list[Decode], target_tps: float | None) -> dict[str, Any]:
+    """{tau, speedup, tokens_per_s, identical, prompts, tokens, steps, seconds} of one method on some prompts;
+    refs: the target's own decodes of the same prompts; target_tps: its tokens/s there (None: this is it)."""
+    lens = [a for d in decodes for a in d.accept_lengths]
+    toks = sum(len(d.tokens) for d in decodes)
+    secs = sum(d.seconds for d in decodes)
+    tps = toks / secs if secs > 0 else 0.0
+    base = tps if target_tps is None else target_tps
+    return {"tau": sum(lens) / len(lens) if lens else 1.0, "speedup": tps / base if base else 0.0,
+            "tokens_per_s": tps, "identical": sum(int(d.tokens == r.tokens) for d, r in zip(decodes, refs)),
+            "prompts": len(decodes), "tokens": toks, "steps": len(lens), "seconds": secs}
+
+
+def group(runs: dict[str, list[Decode]], idx: list[int]) -> dict[str, Any]:
+    """The GROUP of the prompts idx: every method's group_method, and dflash's tau over n-gram's."""
+    ref = [runs["target"][i] for i in idx]
+    out: dict[str, Any] = {"prompts": len(idx), "target": group_method(ref, ref, None)}
+    for name, ds in runs.items():
+        if name != "target":
+            out[name] = group_method([ds[i] for i in idx], ref, out["target"]["tokens_per_s"])
+    n = out.get("ngram")
+    out["tau_over_ngram"] = out["dflash"]["tau"] / n["tau"] if n and n["tau"] else None
+    return out
+
+
+def groups(runs: dict[str, list[Decode]], labels: list[dict[str, str | None]]) -> tuple[dict, dict]:
+    """(sets, categories): {set: GROUP with its categories} and {category: GROUP}, keys in the order the data
+    first has them; a row without the field is in no group ({} when no row has it)."""
+    def by(key, idx):
+        out: dict[str, list[int]] = {}
+        for i in idx:
+            if labels[i][key] is not None:
+                out.setdefault(labels[i][key], []).append(i)
+        return out
+
+    every = list(range(len(labels)))
+    sets = {s: dict(group(runs, idx), categories={c: group(runs, j) for c, j in by("category", idx).items()})
+            for s, idx in by("set", every).items()}
+    return sets, {c: group(runs, idx) for c, idx in by("category", every).items()}
+
+
 def summarize(name: str, decodes: list[Decode], block_size: int) -> dict[str, Any]:
     lens = [a for d in decodes for a in d.accept_lengths]
     toks = sum(len(d.tokens) for d in decodes)
@@ -183,7 +258,7 @@ def plot_acceptance(path: str, results: list[dict], block_size: int) -> None:
 
 def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, dev: torch.device):
     """(tokenizer, HF model, drafter on the target's embedding and LM head, Target capturing the drafter's layers):
-    what speculative decoding needs (run_eval, bench/tau_gap.py)."""
+    what speculative decoding needs (run_eval)."""
     tok = load_tokenizer(target_path)
     model = load_causal_lm(target_path, device=dev, dtype=dtype)
     drafter = load_drafter(drafter_path, dtype=dtype, device=dev)
@@ -198,6 +273,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     dtype = resolve_dtype(cfg.dtype, dev)
     tok, model, drafter, target = load_for_decoding(cfg.target, cfg.drafter, dtype, dev)
     prompts = load_prompts(cfg, tok)
+    labels = prompt_labels(cfg, len(prompts))
     eos = eos_ids_of(model, tok) if cfg.stop_at_eos else set()
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
@@ -228,12 +304,15 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
             agree += next((i for i in range(n) if d.tokens[i] != t.tokens[i]), n)
             total += len(t.tokens)
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else 0.0
-        r["outputs_identical"] = same
+        r["identical"] = r["outputs_identical"] = same
+        r["prompts"] = len(prompts)
         r["output_match_rate"] = same / len(prompts)
         r["token_match_rate"] = agree / max(1, total)
         r["differences"] = classify_differences(ref, outs, cfg.tie_margin)
+    base.update(speedup=1.0, identical=len(prompts), prompts=len(prompts))
+    sets, categories = groups(runs, labels)
     report = {
-        "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
+        "schema": SCHEMA, "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
         "target_attention": target.attention,
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
@@ -242,6 +321,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if "ngram" in res:
         report["ngram"] = res["ngram"]
         report["tau_gain_over_ngram"] = res["dflash"]["tau"] / res["ngram"]["tau"] if res["ngram"]["tau"] else None
+    report["sets"], report["categories"] = sets, categories
     if cfg.plot:
         plot_acceptance(cfg.plot, list(res.values()), B)
         report["plot"] = cfg.plot
@@ -272,4 +352,43 @@ def format_report(r: dict[str, Any]) -> str:
     if diff and diff["differing"]:
         lines.append(f"dflash outputs differing from the target's: {diff['differing']} ({diff['near_tie']} near-tie "
                      f"argmax flips with a top-2 logit gap < {diff['tie_margin']}, {diff['suspect']} other)")
-    return "\n".join(lines)
+    table = format_groups(r)
+    return "\n".join(lines) + ("\n\n" + table if table else "")
+
+
+def format_groups(r: dict[str, Any]) -> str:
+    """The table of the sets and categories (each set, then its categories indented, then all prompts): tau,
+    n-gram tau, speed-ups and identical outputs; "" when the prompts have fewer than two sets and categories."""
+    sets, cats = r.get("sets") or {}, r.get("categories") or {}
+    if len(sets) < 2 and len(cats) < 2:
+        return ""
+    ng = "ngram" in r
+    head = ("", "prompts", "dflash tau") + (("n-gram tau", "dflash/n-gram") if ng else ()) + (
+        "dflash speed-up",) + (("n-gram speed-up",) if ng else ()) + ("identical dflash",) + (
+        ("identical n-gram",) if ng else ())
+
+    def row(label, g):
+        d, n = g["dflash"], g.get("ngram")
+        cells = [label, str(g["prompts"]), f"{d['tau']:.2f}"]
+        if ng:
+            cells += [f"{n['tau']:.2f}", f"{g['tau_over_ngram']:.2f}x" if g.get("tau_over_ngram") else "-"]
+        cells.append(f"{d['speedup']:.2f}x")
+        if ng:
+            cells.append(f"{n['speedup']:.2f}x")
+        cells.append(f"{d['identical']}/{g['prompts']}")
+        if ng:
+            cells.append(f"{n['identical']}/{g['prompts']}")
+        return tuple(cells)
+
+    rows = [head]
+    if sets:
+        for name, g in sets.items():
+            rows.append(row(name, g))
+            rows += [row("  " + c, cg) for c, cg in g["categories"].items()]
+    else:
+        rows += [row(c, g) for c, g in cats.items()]
+    everything = {"prompts": r["prompts"], "dflash": r["dflash"], "ngram": r.get("ngram"),
+                  "tau_over_ngram": r.get("tau_gain_over_ngram")}
+    rows.append(row("all prompts", everything))
+    w = [max(len(x[i]) for x in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(x)) for x in rows)
