@@ -26,7 +26,6 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
 )
 from dflash.core.config import build, parse_int_list, parse_kv
 from dflash.demo import CPU_SIZES, DemoConfig, run_demo
-from dflash_cache.inspect import uncommit
 from dflash_cache.lock import OutputLock
 
 
@@ -92,19 +91,29 @@ def cache_info(path, as_json):
 @cache.command("verify")
 @click.argument("path")
 @click.option("--threads", default=4, show_default=True, help="Decoding threads.")
-@click.option("--repair", is_flag=True, help="Un-commit every bad shard, so that rerunning the same `dflash extract` redoes them.")
+@click.option("--repair", is_flag=True, help="Rewrite damaged metadata from its record, and un-commit every bad shard "
+              "so that rerunning the same `dflash extract` redoes them.")
 def cache_verify(path, threads, repair):
-    """Re-read every shard, check checksums and shapes; exit 1 naming every bad shard.
+    """Re-read every shard, check checksums and metadata; exit 1 naming every bad shard and metadata file.
 
-    With --repair, bad shards are un-committed (and named): the next `dflash extract` with the same
-    settings rewrites exactly those. The exit code stays 1 until that extraction has run.
+    Metadata damage (the root zarr.json, an array's zarr.json) is told from data damage: --repair rewrites such a
+    file from the record kept with the cache and un-commits no shard for it. With --repair, bad shards are
+    un-committed (and named): the next `dflash extract` with the same settings rewrites exactly those, and the
+    exit code stays 1 until that extraction has run. Files that dflash did not write are listed, never deleted.
     """
     from tqdm import tqdm
 
-    c = dflash_cache.open(path, allow_incomplete=True)
-    with tqdm(total=len(c.commits), desc="verify", unit="shard", disable=None) as bar:
-        rep = dflash_cache.verify(path, threads=threads, progress=bar.update)
+    from dflash_cache.inspect import repair as repair_cache
+
+    with tqdm(desc="verify", unit="shard", disable=None) as bar:
+        def start(n):
+            bar.total = n
+            bar.refresh()
+
+        rep = dflash_cache.verify(path, threads=threads, progress=bar.update, on_start=start)
     click.echo(f"{path}: {len(rep.shards_ok)} of {rep.shards_planned} shards OK, {rep.bytes_checked / 1e9:.2f} GB decoded")
+    for line in rep.metadata + rep.unrepairable:
+        click.echo(f"BAD metadata {line}")
     for s, problems in sorted(rep.bad.items()):
         for p in problems:
             click.echo(f"BAD shard {s:06d}: {p}")
@@ -112,12 +121,18 @@ def cache_verify(path, threads, repair):
         head = ", ".join(f"{s:06d}" for s in rep.uncommitted[:20])
         more = f" (+{len(rep.uncommitted) - 20} more)" if len(rep.uncommitted) > 20 else ""
         click.echo(f"NOT COMMITTED ({len(rep.uncommitted)} shards): {head}{more} - rerun the extraction to finish them")
-    if repair and rep.bad:
-
+    for note in rep.notes:
+        click.echo(f"note: {note}")
+    if rep.foreign:
+        click.echo(f"note: {len(rep.foreign)} entries not written by dflash (not checked; dflash never deletes them): "
+                   + ", ".join(rep.foreign[:20]) + (f" (+{len(rep.foreign) - 20} more)" if len(rep.foreign) > 20 else ""))
+    if repair and (rep.fixes or rep.bad):
         with OutputLock(path, "dflash cache verify --repair"):  # not while an extract writes this cache
-            fixed = uncommit(path, list(rep.bad))
-        click.echo(f"repaired: un-committed {len(fixed)} shard(s) {', '.join(f'{s:06d}' for s in fixed)}; "
-                   "rerun the same `dflash extract` command to rewrite them")
+            for line in repair_cache(path, rep):
+                click.echo(f"repaired: {line}")
+        if rep.ok_after_repair:
+            click.echo("OK (after repair)")
+            return
     if not rep.ok:
         sys.exit(1)
     click.echo("OK")

@@ -3,7 +3,8 @@
 A cache is a zarr v3 hierarchy (a local directory or any fsspec URL):
 
     CACHE/zarr.json                       root group; attributes = the cache metadata (below)
-    CACHE/shards/zarr.json                group
+    CACHE/shards/zarr.json                group; its attributes record the root's attributes as written, with
+                                          their fingerprint (a changed root is named and restored from it)
     CACHE/shards/000017/zarr.json         one shard = one group; its attribute "dflash_commit" is
                                           written LAST and is what makes the shard exist
     CACHE/shards/000017/input_ids         int32   [R_s, T]       chunks [R_s, T]
@@ -32,12 +33,20 @@ s * rows_per_shard + r; the last shard may hold fewer rows. Rows are exactly T t
 tokens have doc_id 0, loss_mask 0 and all-zero hidden states (true zeros cost nothing compressed).
 
 The commit record carries, per array, the CRC-32 of every chunk's raw (decoded, little-endian)
-bytes (hidden_scales included), so `verify` detects truncated, corrupted or swapped files. A shard without a commit record
+bytes (hidden_scales included), so `verify` detects truncated, corrupted or swapped files; and its shard index
+("shard") and the fingerprint of the root it was written under ("root": root_digest), so a shard directory moved
+to another index or copied from another cache is caught too. A shard without a commit record
 does not exist: a crashed writer leaves nothing that looks complete, and a rerun redoes it.
 A resumed or repeated extraction writes the same bytes; what legitimately differs between runs is the root's
-info.run (batch size, world size, time) and each commit record's "writer" and "time".
+info.run (batch size, world size, time; also in its record in shards/zarr.json) and each commit record's
+"writer" and "time".
 
-The layout helpers at the end of this file (chunk_key, group_json, read_root, committed_shards) are where the
+Metadata damage is not data damage: each array's zarr.json is exactly what array_layout (+ writer.array_json)
+makes from the root's spec, and the root's attributes are recorded in shards/zarr.json; `verify --repair`
+rewrites damaged metadata from those and un-commits only shards whose records or chunks are bad.
+
+The layout helpers at the end of this file (chunk_key, group_json, read_root, committed_shards, array_layout,
+root_record) are where the
 writer, the reader and inspect find things in the hierarchy; none of them imports another for the layout.
 """
 
@@ -211,15 +220,45 @@ class CacheSpec:
 
     @classmethod
     def from_metadata(cls, meta: dict[str, Any]) -> "CacheSpec":
-        keys = ("seq_len", "hidden_size", "layer_ids", "num_rows", "rows_per_shard", "hidden_dtype", "codec",
-                "hidden_chunk_tokens")
-        return cls(**{k: meta[k] for k in keys}, info=dict(meta.get("info") or {}))
+        """The spec recorded in a cache's root attributes. A missing field or one of the wrong type raises
+        CacheCorruptError naming it (the metadata was edited or damaged), never a KeyError or TypeError."""
+        def field_of(name: str, kind: str) -> Any:
+            if name not in meta:
+                raise CacheCorruptError(f"root metadata has no field '{name}'")
+            v = meta[name]
+            ok = (isinstance(v, int) and not isinstance(v, bool) if kind == "int" else
+                  isinstance(v, list) and bool(v) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+                  if kind == "ints" else isinstance(v, str))
+            if not ok:
+                want = {"int": "an integer", "ints": "a list of integers", "str": "a string"}[kind]
+                raise CacheCorruptError(f"root metadata field '{name}' is {v!r}, not {want}")
+            return v
+
+        kinds = {"seq_len": "int", "hidden_size": "int", "layer_ids": "ints", "num_rows": "int", "rows_per_shard": "int",
+                 "hidden_dtype": "str", "codec": "str", "hidden_chunk_tokens": "int"}
+        info = meta.get("info")
+        if info is not None and not isinstance(info, dict):
+            raise CacheCorruptError(f"root metadata field 'info' is {type(info).__name__}, not an object")
+        try:
+            return cls(**{k: field_of(k, kind) for k, kind in kinds.items()}, info=dict(info or {}))
+        except CacheCorruptError:
+            raise
+        except CacheError as e:  # a value no writer writes (e.g. hidden_chunk_tokens 0 or not dividing seq_len)
+            raise CacheCorruptError(f"root metadata: {e}") from None
 
 
-def commit_problems(spec: CacheSpec, shard: int, rec: Any) -> list[str]:
-    """What is wrong with a shard's commit record: [] when it has the rows and every checksum it must have."""
+def commit_problems(spec: CacheSpec, shard: int, rec: Any, root: str | None = None) -> list[str]:
+    """What is wrong with a shard's commit record: [] when it has the rows and every checksum it must have, and
+    was written as this shard of this cache. `root` is the cache's root_digest; a record carries it (and its shard
+    index), so a shard directory moved to another index or copied from another cache is caught (records written
+    before these fields existed lack them and are not checked for them)."""
     if not isinstance(rec, dict):
         return ["commit record: not a JSON object"]
+    if "shard" in rec and rec["shard"] != shard:
+        return [f"commit record: written as shard {rec['shard']!r}, found at shard {shard} (a moved or swapped shard)"]
+    if root is not None and "root" in rec and rec["root"] != root:
+        return [f"commit record: written for another cache (root digest {rec['root']!r}, this cache's is {root!r}): "
+                "a shard copied from another cache, or the root metadata was changed"]
     _, rows = spec.shard_rows(shard)
     if rec.get("rows") != rows:
         return [f"commit record: says {rec.get('rows')!r} rows, the plan says {rows}"]
@@ -288,16 +327,134 @@ def chunk_key(array_path: str, coords: tuple[int, ...]) -> str:
     return f"{array_path}/c/" + "/".join(str(c) for c in coords)
 
 
-def read_root(store: Store) -> dict[str, Any]:
-    """The root metadata of a cache, with clear errors for what is not one."""
+ROOT_RECORD = "dflash_root"  # shards/zarr.json attributes: the root's attributes as written when the cache was made
+ROOT_RECORD_DIGEST = "dflash_root_digest"  # ... and their fingerprint (tells a damaged record from a damaged root)
+VOLATILE_ROOT_FIELDS = ("run",)  # info.run: the run that created the cache (time, world size, batch rows)
+
+
+def array_layout(spec: CacheSpec, name: str, rows: int) -> tuple[tuple[int, ...], tuple[int, ...], str, str, dict, int]:
+    """(shape, chunks, dtype, codec, attributes, typesize) of array `name` of a shard of `rows` rows: what the
+    writer creates and verify expects (writer.array_json turns it into the array's zarr.json)."""
+    T, C = spec.seq_len, spec.hidden_chunk_tokens
+    hdt, sdt = spec.hidden_storage
+    if name in SMALL_ARRAYS:
+        return (rows, T), (rows, T), SMALL_ARRAYS[name], SMALL_CODEC, {}, 2
+    if name == HIDDEN:
+        W = spec.stored_width
+        return ((rows, T, W), (1, C, W), hdt, spec.codec, {"dtype": spec.hidden_dtype, "layer_ids": spec.layer_ids},
+                np.dtype(hdt).itemsize)
+    if name == SCALES and sdt is not None:
+        S = spec.scale_width
+        return (rows, T, S), (1, C, S), sdt, SMALL_CODEC, {"hidden_dtype": spec.hidden_dtype}, 2
+    raise CacheError(f"a {spec.hidden_dtype} cache has no array {name!r}")
+
+
+def shard_arrays(spec: CacheSpec) -> tuple[str, ...]:
+    return (*ARRAYS, SCALES) if spec.quantized else ARRAYS
+
+
+def stable_root(attrs: dict[str, Any]) -> dict[str, Any]:
+    """The root attributes without the volatile info.run (identical for every run that writes one cache)."""
+    out = dict(attrs)
+    if isinstance(out.get("info"), dict):
+        out["info"] = {k: v for k, v in out["info"].items() if k not in VOLATILE_ROOT_FIELDS}
+    return out
+
+
+def root_digest(attrs: dict[str, Any]) -> str:
+    """What each commit record carries as "root": the fingerprint of the root attributes it was written under."""
+    return fingerprint(stable_root(attrs))
+
+
+def root_record_json(attrs: dict[str, Any]) -> bytes:
+    """shards/zarr.json: the shards group, whose attributes record the root attributes (and their fingerprint)
+    as they were written, so that a changed or damaged root zarr.json is told from damaged shards and restored."""
+    return group_json({ROOT_RECORD: attrs, ROOT_RECORD_DIGEST: fingerprint(attrs)})
+
+
+def load_json(store: Store, key: str) -> tuple[Any, str]:
+    """(document, "") or (None, why): 'missing', 'not valid JSON', 'a JSON list, not an object' and the like."""
+    raw = store.get(key)
+    if raw is None:
+        return None, "missing"
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None, "empty" if not raw.strip() else "not valid JSON"
+    if not isinstance(doc, dict):
+        kind = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}.get(type(doc), "null")
+        return None, f"a JSON {kind}, not an object"
+    return doc, ""
+
+
+def attributes_of(doc: Any) -> dict[str, Any] | None:
+    attrs = doc.get("attributes") if isinstance(doc, dict) else None
+    return attrs if isinstance(attrs, dict) else None
+
+
+def root_record(store: Store) -> tuple[dict[str, Any] | None, str]:
+    """(the recorded root attributes, "") when shards/zarr.json holds an intact record, else (None, why):
+    'absent' (a cache written before records existed, or mid-creation) or what is damaged."""
+    doc, why = load_json(store, f"{SHARDS}/zarr.json")
+    if doc is None:
+        return None, "absent" if why == "missing" else f"damaged: {SHARDS}/zarr.json is {why}"
+    attrs = attributes_of(doc)
+    if attrs is None or ROOT_RECORD not in attrs:
+        return None, "absent"
+    rec, digest = attrs.get(ROOT_RECORD), attrs.get(ROOT_RECORD_DIGEST)
+    if not isinstance(rec, dict) or digest != fingerprint(rec):
+        return None, f"damaged: the record in {SHARDS}/zarr.json does not match its digest"
+    return rec, ""
+
+
+def root_changes(attrs: Any, recorded: dict[str, Any], limit: int = 4) -> list[str]:
+    """How root attributes differ from the recorded ones, field by field ("attribute 'seq_len' is 32, recorded 16")."""
+    if not isinstance(attrs, dict):
+        return [f"its attributes are {'missing' if attrs is None else type(attrs).__name__}"]
+    a, b = flatten(attrs), flatten(recorded)
+    keys = [k for k in sorted(set(a) | set(b)) if a.get(k, _ABSENT) != b.get(k, _ABSENT)]
+    out = [f"attribute '{k}' " + ("was removed" if k not in a else f"is {a[k]!r}" + (
+        ", not recorded" if k not in b else f", recorded {b[k]!r}")) for k in keys[:limit]]
+    return out + ([f"and {len(keys) - limit} more"] if len(keys) > limit else [])
+
+
+_ABSENT = object()
+
+
+def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{"a": {"b": 1}} -> {"a.b": 1} (dotted field names, as errors name them)."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def read_root(store: Store, check_record: bool = True) -> dict[str, Any]:
+    """The root metadata of a cache, with clear errors for what is not one.
+
+    check_record: a root whose attributes differ from the intact record in shards/zarr.json (root_record_json),
+    or that is unreadable while the record is intact, raises CacheCorruptError naming the changed fields and how
+    to restore them (`dflash cache verify --repair`). `verify` reads with check_record=False to report it itself.
+    """
     if store.root_is_file():
         raise NotACacheError(f"{store.url} is not a dflash cache: it is a file, not a directory")
     if not store.exists_root():
         raise CacheNotFoundError(f"no cache at {store.url}: the path does not exist")
-    doc = store.get_json("zarr.json")
+    doc, why = load_json(store, "zarr.json")
+    attrs = attributes_of(doc)
+    recorded = root_record(store)[0] if check_record else None
+    if recorded is not None and attrs != recorded:
+        changes = "; ".join(root_changes(attrs, recorded)) if doc is not None else why
+        raise CacheCorruptError(
+            f"cache {store.url}: its root metadata zarr.json was changed or damaged since the cache was made ({changes}); "
+            f"the shards are not affected: `dflash cache verify {store.url} --repair` restores it from its record in "
+            f"{SHARDS}/zarr.json")
     if doc is None:
-        raise NotACacheError(f"{store.url} is not a dflash cache: it has no readable zarr.json")
-    attrs = doc.get("attributes") or {}
+        raise NotACacheError(f"{store.url} is not a dflash cache: its zarr.json is {why}")
+    attrs = attrs or {}
     if attrs.get("format") != FORMAT_NAME:
         raise NotACacheError(f"{store.url} is a zarr store but not a dflash cache (no format '{FORMAT_NAME}' in its attributes)")
     v = attrs.get("format_version")
@@ -305,17 +462,23 @@ def read_root(store: Store) -> dict[str, Any]:
         raise CacheVersionError(
             f"{store.url} was written in cache format version {v}; this dflash reads versions <= {FORMAT_VERSION}: upgrade dflash"
         )
+    try:
+        CacheSpec.from_metadata(attrs)
+    except CacheCorruptError as e:
+        raise CacheCorruptError(f"cache {store.url}: zarr.json: {e}; `dflash cache verify {store.url}` tells more") from None
     return attrs
 
 
-def committed_shards(store: Store, num_shards: int) -> dict[int, dict[str, Any]]:
-    """shard index -> commit record, for every committed shard."""
+def committed_shards(store: Store, num_shards: int) -> dict[int, Any]:
+    """shard index -> commit record, for every committed shard (index < num_shards, named as shard_key names it).
+
+    A shard whose group zarr.json is unreadable is not committed: its record, with the checksums, is lost.
+    The record itself is returned as found (commit_problems says whether it is usable)."""
     out = {}
     for name in store.list_dir(SHARDS):
-        if not name.isdigit():
+        if not (name.isdigit() and name == f"{int(name):06d}" and int(name) < num_shards):
             continue
-        doc = store.get_json(f"{SHARDS}/{name}/zarr.json")
-        rec = ((doc or {}).get("attributes") or {}).get(COMMIT_KEY)
-        if rec is not None and int(name) < num_shards:
-            out[int(name)] = rec
+        attrs = attributes_of(load_json(store, f"{SHARDS}/{name}/zarr.json")[0])
+        if attrs is not None and attrs.get(COMMIT_KEY) is not None:
+            out[int(name)] = attrs[COMMIT_KEY]
     return out

@@ -242,6 +242,17 @@ class Store:
 
         return sorted(self._sync(collect()))
 
+    def list_entries(self, prefix: str) -> list[tuple[str, bool]]:
+        """Immediate children under prefix as (name, is a directory), sorted by name. On an object store a
+        "directory" is a prefix that has keys under it."""
+        if self.local:
+            try:
+                with os.scandir(self._p(prefix) if prefix else self.root) as it:
+                    return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+        return [(name, bool(self.list_dir(f"{prefix}/{name}" if prefix else name))) for name in self.list_dir(prefix)]
+
     def delete_prefix(self, prefix: str) -> None:
         """Delete the key or the directory of keys `prefix` (nothing if absent)."""
         if self.local:

@@ -44,13 +44,20 @@ from .format import (
     CacheVersionError,
     NotACacheError,
     SMALL_CODEC,
+    array_layout,
     chunk_key,
     committed_shards,
+    flatten,
     group_json,
     read_root,
+    root_digest,
+    root_record,
+    root_record_json,
+    shard_arrays,
     shard_key,
 )
 from . import quant
+from .layout import remove_own
 from .lock import LOCK_NAME
 from .store import PARTIAL, Codec, Store, crc32, zarr_compressors
 
@@ -74,16 +81,6 @@ def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, code
                               compressors=zarr_compressors(codec, typesize), fill_value=0, attributes=attrs)
             _META_CACHE[key] = sync(ms.get("a/zarr.json", prototype=default_buffer_prototype())).to_bytes()
         return _META_CACHE[key]
-
-
-def flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # Metadata that legitimately differs between runs writing the same cache.
@@ -154,23 +151,23 @@ class CacheWriter:
         self._small_codec = Codec(SMALL_CODEC, 4)
         meta = spec.to_metadata()
         existing = existing_root(self.store, self.path)
+        self.kept: list[str] = []  # overwrite: what was in the directory that dflash did not write (kept)
         if existing is not None and overwrite and create:
-            for name in self.store.list_dir(""):  # everything but the writer's lock (dflash_cache.lock)
-                if not name.startswith(LOCK_NAME):
-                    self.store.delete_prefix(name)
+            self.kept = remove_own(self.store)  # the old cache; the lock (dflash_cache.lock) and a user's files stay
             existing = None
         if existing is not None:
             if existing.get("hidden_dtype", "bfloat16") == spec.hidden_dtype and existing.get("format_version") != meta["format_version"]:
                 raise CacheVersionError(f"{self.path} has format version {existing.get('format_version')}; cannot append to it")
             compare_metadata(existing, meta, self.path)
-            if self.store.get_json(f"{SHARDS}/zarr.json") is None:  # its creator died before writing it
-                self.store.put(f"{SHARDS}/zarr.json", group_json({}))
+            if root_record(self.store)[1] == "absent":  # its creator died before writing it, or an older dflash
+                self.store.put(f"{SHARDS}/zarr.json", root_record_json(existing))  # (the root matches this run's)
         elif create:
             self.store.put("zarr.json", group_json(meta))
-            self.store.put(f"{SHARDS}/zarr.json", group_json({}))
+            self.store.put(f"{SHARDS}/zarr.json", root_record_json(meta))
         else:
             raise CacheError(f"no cache at {self.path} to write into")
         self.metadata = meta
+        self.root_digest = root_digest(existing if existing is not None else meta)  # in every commit record
         self.committed = set(committed_shards(self.store, spec.num_shards))
         self.max_queued_shards = max(1, max_queued_shards or 2 * max_inflight_shards)
         self._chunk_pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="dflash-chunk")
@@ -254,30 +251,22 @@ class CacheWriter:
 
     def _write(self, shard: int, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
         rows = arrays["doc_ids"].shape[0]
-        T, W, C = self.spec.seq_len, self.spec.stored_width, self.spec.hidden_chunk_tokens
-        hdt, sdt = self.spec.hidden_storage
+        T, C = self.spec.seq_len, self.spec.hidden_chunk_tokens
         base = shard_key(shard)
         self.store.delete_prefix(base)  # whatever a crashed writer left
         self.store.put(f"{base}/zarr.json", group_json({}))
         jobs: dict[str, list[Future]] = {}
         try:
-            for name, dtype in SMALL_ARRAYS.items():
-                self.store.put(f"{base}/{name}/zarr.json", array_json((rows, T), (rows, T), dtype, SMALL_CODEC, {}))
+            for name in shard_arrays(self.spec):
+                self.store.put(f"{base}/{name}/zarr.json", array_json(*array_layout(self.spec, name, rows)))
+            for name in SMALL_ARRAYS:
                 jobs[name] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{name}", (0, 0)),
                                                       np.ascontiguousarray(arrays[name]), self._small_codec)]
-            self.store.put(f"{base}/{HIDDEN}/zarr.json",
-                           array_json((rows, T, W), (1, C, W), hdt, self.spec.codec,
-                                      {"dtype": self.spec.hidden_dtype, "layer_ids": self.spec.layer_ids},
-                                      np.dtype(hdt).itemsize))
             h = arrays[HIDDEN]
             jobs[HIDDEN] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{HIDDEN}", (r, c, 0)),
                                                     h[r, c * C:(c + 1) * C], self._hidden_codec)
                             for r in range(rows) for c in range(T // C)]
-            if sdt is not None:
-                S = self.spec.scale_width
-                self.store.put(f"{base}/{SCALES}/zarr.json",
-                               array_json((rows, T, S), (1, C, S), sdt, SMALL_CODEC,
-                                          {"hidden_dtype": self.spec.hidden_dtype}))
+            if self.spec.quantized:
                 sc = arrays[SCALES]
                 jobs[SCALES] = [self._chunk_pool.submit(self._put_chunk, chunk_key(f"{base}/{SCALES}", (r, c, 0)),
                                                         sc[r, c * C:(c + 1) * C], self._scales_codec)
@@ -299,7 +288,8 @@ class CacheWriter:
                 for f in futs:
                     f.cancel()
             raise
-        record = {**stats, "crc32": crcs, "stored_bytes": stored, "writer": self.writer_id,
+        record = {**stats, "crc32": crcs, "stored_bytes": stored, "shard": shard, "root": self.root_digest,
+                  "writer": self.writer_id,
                   "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         self.store.put(f"{base}/zarr.json", group_json({COMMIT_KEY: record}))  # the commit: last, atomic
         with self._lock:

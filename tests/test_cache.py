@@ -38,6 +38,7 @@ from dflash_cache import (
     CacheWriter,
     NotACacheError,
 )
+from dflash_cache.format import root_record_json
 
 PY = sys.executable
 HERE = Path(__file__).resolve()
@@ -475,8 +476,9 @@ def bad_inputs(tmp_path) -> dict[str, Path]:
     newer = tmp_path / "newer"
     write_cache(newer, make_spec())
     doc = json.loads((newer / "zarr.json").read_text())
-    doc["attributes"]["format_version"] = 99
+    doc["attributes"]["format_version"] = 99  # as a newer dflash would write it: the root and its record
     (newer / "zarr.json").write_text(json.dumps(doc))
+    (newer / "shards" / "zarr.json").write_bytes(root_record_json(doc["attributes"]))
     file = tmp_path / "file.bin"
     file.write_bytes(b"x")
     return {"missing": tmp_path / "nope", "plain": plain, "newer": newer, "file": file}
