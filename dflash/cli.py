@@ -217,6 +217,13 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--grad-clip", type=float, help="Gradient-norm clip.")
 @option("--mask-token-id", type=int, help="Mask token id.", default_text="an unused id of the target's vocabulary")
 @option("--seed", type=int, help="Seed for init, data order and anchors.")
+@option("--shuffle-window", type=int, help="Rows per shuffle window of the first epoch, read in the order extraction "
+        "writes shards (later epochs: one permutation); 0 = one permutation of the whole cache.")
+@option("--follow", is_flag=True, default=None, help="Train while `dflash extract` still writes --cache: wait for the "
+        "shards the next batch needs, stop with an error if the extraction dies; the schedule is over the cache's "
+        "final size. Equals a run over the finished cache.")
+@option("--follow-timeout", type=float, help="With --follow: give up when the extraction commits nothing for this "
+        "many seconds.")
 @option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss, "
         "decoding tau (greedy speculative decoding simulated along each held-out answer, what `dflash eval` measures "
         "on answers the target wrote) and expected tau at every checkpoint and at the end, in metrics.jsonl and "
@@ -247,7 +254,8 @@ def train(preset, gpus, no_progress, **flags):
     """Train a DFlash drafter from a hidden-state cache.
 
     Resumes automatically when --out holds checkpoints of the same run (model, optimizer,
-    schedule, data position and anchor randomness are restored exactly).
+    schedule, data position and anchor randomness are restored exactly). With --follow it
+    trains while `dflash extract` writes the cache (or `dflash pipeline` runs both).
 
     \b
     Multi-GPU:  torchrun --nproc-per-node 3 -m dflash train ...   (or --gpus 5,6,7)

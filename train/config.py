@@ -41,6 +41,12 @@ class TrainConfig:
     beta2: float = 0.95
     grad_clip: float = 1.0
     seed: int = 0
+    # data order (dflash_cache.reader): epoch 0 reads windows of this many rows of the shard order (whole shards), each
+    # shuffled; 0 = one permutation of the whole cache (a --follow run then waits for the whole cache)
+    shuffle_window: int = 1024
+    # train while `dflash extract` writes the cache (train/follow.py); give up when it commits nothing for this long
+    follow: bool = False
+    follow_timeout: float = 1800.0
     # held-out validation (train/validate.py): at every checkpoint and at the end
     val_cache: str | None = None
     val_rows: int = 64
@@ -90,10 +96,13 @@ class TrainConfig:
               f"must be >= 0 (0 = whole answers), got {self.val_max_new_tokens}")
         check(self.val_rows >= 0, "val_rows", f"must be >= 0 (0 = every row of --val-cache), got {self.val_rows}")
         check(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
+        check(self.shuffle_window >= 0, "shuffle_window",
+              f"must be >= 0 (rows; 0 = one permutation of the whole cache), got {self.shuffle_window}")
+        check(self.follow_timeout > 0, "follow_timeout", f"must be > 0 (seconds), got {self.follow_timeout}")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
 
 
 # Settings that define a run: rerunning into RUN with other values is an error unless --overwrite.
 IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", "num_anchors", "gamma", "batch_rows",
             "grad_accum", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
-            "param_dtype", "attn")
+            "param_dtype", "attn", "shuffle_window")

@@ -86,11 +86,24 @@ class Trainer:
         tc = text_config(hf)
         tinfo = target_info(cfg.target, hf)
         expect = {"hidden_size": tc.hidden_size, "target.config_hash": tinfo.config_hash}
+        self.follower = None
+        if cfg.follow:  # the cache may still be written, or not exist yet (train/follow.py)
+            from .follow import Follower
+
+            self.follower = Follower(cfg.cache, self.dist.world, cfg.follow_timeout)
+            self.follower.wait_for_cache()
         try:
-            self.cache = dflash_cache.open(cfg.cache, expect=expect, threads=cfg.loader_threads)
+            self.cache = dflash_cache.open(cfg.cache, expect=expect, threads=cfg.loader_threads, follow=cfg.follow)
         except dflash_cache.CacheMismatchError as e:
             raise TrainError(f"the cache does not belong to --target {cfg.target}: {e}") from e
+        except dflash_cache.CacheIncompleteError as e:
+            raise TrainError(f"{e}, or train while it is written: the same command with --follow") from e
         cache = self.cache
+        if self.follower is not None:
+            self.follower.attach(cache)
+            if not cache.complete:
+                print0(f"train: --follow: {len(cache.commits)} of {cache.spec.num_shards} shards of {cfg.cache} are "
+                       f"committed; training over its {len(cache)} planned rows as they come")
         if self.dist.is_main:  # the embedding and LM head this run takes from --target: the cache's own?
 
             note = check_roles(cache.metadata.get("info", {}).get("weights"), cfg.target, cfg.cache,
@@ -119,11 +132,18 @@ class Trainer:
         else:
             self.total_steps = max(1, int(math.ceil((cfg.epochs or 1.0) * self.spe / cfg.grad_accum)))
 
+        legacy_order = started_before_windows(cfg)
+        if legacy_order:  # resume it in the order it began with: one permutation per epoch
+            cfg.shuffle_window = 0
+            print0(f"train: note: {cfg.out} began before the first epoch was read in windows: it goes on with one "
+                   "permutation of the cache per epoch, as it began (--overwrite starts it over with windows)")
         self.resolved = {**asdict(cfg), "cache": os.path.abspath(cfg.cache) if "://" not in cfg.cache else cfg.cache,
                          "target": os.path.abspath(cfg.target), "mask_token_id": mask_id,
                          "param_dtype": str(self.param_dtype).replace("torch.", ""), "attn": self.attn,
                          "drafter": self.dcfg.to_dict(), "world": self.dist.world, "total_steps": self.total_steps,
                          "cache_data_fingerprint": cache.metadata.get("info", {}).get("data_fingerprint")}
+        if legacy_order:
+            del self.resolved["shuffle_window"]  # as its run.json has it: the same run
         if self.dist.is_main:
             check_run_dir(cfg, self.resolved)
         barrier()
@@ -183,6 +203,8 @@ class Trainer:
         for g in self.opt.param_groups:  # keep our lr tensor (the schedule writes into it)
             g["lr"] = self.lr_t
         self.step = int(st["step"])
+        if self.follower is not None:
+            self.follower.checkpoint_step = self.step
         if int(st.get("total_steps", self.total_steps)) != self.total_steps:
             print0(f"train: note: this run now has {self.total_steps} steps (the checkpoint was written in a run of "
                    f"{st['total_steps']}); the learning-rate schedule is stretched from step {self.step} on")
@@ -200,7 +222,8 @@ class Trainer:
         for b in self.cache.batches(cfg.batch_rows, rank=d.rank, world=d.world, epoch=epoch, seed=cfg.seed,
                                     start_step=within, epochs=None, prefetch=cfg.prefetch,
                                     threads=cfg.loader_threads, pin_memory=self.cuda, check=True,  # CRC every chunk
-                                    quantized=True):  # fp8/fp4 caches: bytes + scales, dequantised in the step
+                                    quantized=True,  # fp8/fp4 caches: bytes + scales, dequantised in the step
+                                    window_rows=cfg.shuffle_window, wait=self.follower):  # --follow: wait for shards
             yield m, b
             m += 1
 
@@ -231,7 +254,7 @@ class Trainer:
         self.history, self.last_good, self.pinned, self.val_time = [], None, None, 0.0
         data = self.micro_batches(self.step * cfg.grad_accum)
         bar = progress.bar(cfg.progress and dist.is_main, total=self.total_steps, initial=self.step, desc="train",
-                           unit="step")
+                           unit="step", warmup=3)  # the ETA's rate is timed after the compiled step's warm-up
         window = Window(time.perf_counter())
         t_start, steps_done = time.perf_counter(), 0
         compiles_at_warm = None
@@ -274,6 +297,8 @@ class Trainer:
                "recompiles_after_warmup": recompiles, "final": os.path.join(cfg.out, "final"), "params": self.nparams,
                "compiled": self.compiled, "compile_check": self.check,
                "val": next((h for h in reversed(self.history) if "val_loss" in h), None)}
+        if self.follower is not None:
+            out["follow"] = self.follower.summary()
         if dist.is_main:
             atomic_json(os.path.join(cfg.out, "summary.json"), out)
         return out
@@ -394,10 +419,24 @@ class Trainer:
             self.last_good = save_checkpoint(self.cfg.out, self.step, self.model, self.opt,
                                              {"step": self.step, "total_steps": self.total_steps,
                                               "micro_step": self.step * self.cfg.grad_accum}, self.cfg.keep_checkpoints)
+        if self.follower is not None:
+            self.follower.checkpoint_step = self.step
         barrier()
 
     def save_final(self) -> str:
         return save_final(self.cfg.out, self.model)
+
+
+def started_before_windows(cfg: TrainConfig) -> bool:
+    """Whether --out holds a run begun before epoch 0 was read in windows (its run.json has no shuffle_window): it
+    resumes with one permutation per epoch, the order it began with (unless --overwrite starts it over)."""
+    try:
+        with open(os.path.join(cfg.out, "run.json")) as f:
+            doc = json.load(f)
+    except (OSError, ValueError):
+        return False
+    conf = doc.get("config") if isinstance(doc, dict) and doc.get("dflash") == "train" else None
+    return isinstance(conf, dict) and "shuffle_window" not in conf and not cfg.overwrite
 
 
 def run_train(cfg: TrainConfig) -> dict[str, Any]:
