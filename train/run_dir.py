@@ -1,27 +1,47 @@
 """The run directory and its checkpoints: what --out may be, run.json, metrics.jsonl on resume, step_N/ and latest.
 
-A run directory holds run.json (its marker and settings), metrics.jsonl, summary.json, checkpoints/step_N
-(model.safetensors, optimizer.pt, trainer.json; written under a temporary name, then renamed) with `latest`
-naming the newest, and final/. Nothing else in it is ever removed; a failed write names its file and the
-last good checkpoint, which stays intact.
+A run directory holds run.json (its marker, settings and the identity of the caches it trains on),
+metrics.jsonl, summary.json, checkpoints/step_N (config.json, model.safetensors, optimizer.pt, trainer.json and,
+written last, manifest.json; all under a temporary name, then renamed) with `latest` naming the newest, and
+final/. Nothing else in it is ever removed; a failed write names its file and the last good checkpoint, which
+stays intact.
+
+What a resume checks (rank 0, before anything is loaded; check_run_dir):
+  * the settings that define the run (train/config.py IDENTITY) and the identity of --cache and --val-cache:
+    the root attributes that define a cache's content (data, tokenizer, chat-template and weights fingerprints,
+    extraction settings, rows; cache_identity). Another cache at the same path (re-extracted from other data,
+    another target or settings) is refused in one line naming the field, the run and the cache; --overwrite
+    starts over. Cheap: one more read of each cache's root zarr.json.
+  * the checkpoint it starts from: the newest intact one (resume_checkpoint). Intact = every file has the size
+    and sha256 tree digest its manifest.json recorded (dflash.core.io.check_files: sizes first, then one
+    streamed read hashed in parallel threads, which leaves the files in the page cache for the load that
+    follows); a checkpoint from before manifests must have its files whole (trainer.json parses, the
+    safetensors header covers the file, optimizer.pt's zip directory reads). A damaged newer checkpoint is
+    moved aside (checkpoints/damaged-step_N, never deleted) and `latest` names the one resumed from, with one
+    note; none intact is one error line. What is loaded is the checkpoint as written: resume stays exact.
+  * metrics.jsonl: records after the checkpoint are dropped (they are redone); a line that is not a whole
+    record (a write cut short by a full disk) is dropped with a note.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from typing import Any
 
 import torch
 
-from dflash.core.dist import atomic_json
-from dflash.core.io import atomic_write
+from dflash.core.dist import atomic_json, print0
+from dflash.core.io import atomic_write, check_files, file_record
 from dflash.core.paths import check_output_dir, inside, is_url
 from dflash.train.checkpoint import save_drafter
 from dflash.train.config import IDENTITY, TrainConfig, TrainError
 from dflash.train.model import DFlashDrafter
+from dflash_cache.format import read_root
 from dflash_cache.lock import LOCK_NAME
+from dflash_cache.store import Store
 
 
 # What a run directory holds: RUN/run.json ({"dflash": "train", ...}) marks it as dflash's; --overwrite removes
@@ -74,34 +94,207 @@ def _remove_run(out: str) -> None:
             os.unlink(p)
 
 
-def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any]) -> None:
-    """RUN/run.json must describe the same run (else error, or start over with --overwrite)."""
+# Root attributes of a cache that do not define its content: the record of the run that wrote it (volatile),
+# where its inputs lay (their content is fingerprinted), how its bytes are compressed and chunked, and the
+# per-tensor weights digests (their combined digest stays). Prefixes of flattened keys.
+NOT_IDENTITY = ("info.run.", "info.target.name_or_path", "info.data.path", "codec", "hidden_chunk_tokens",
+                "info.weights.tensors.", "info.weights.roles.")
+# compared first, so that a refusal names what changed rather than what follows from it
+IDENTITY_FIRST = ("info.data_fingerprint", "info.weights.digest", "info.target.config_hash",
+                  "info.tokenizer_fingerprint", "info.chat_template_fingerprint", "num_rows")
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def cache_identity(metadata: dict) -> dict[str, Any]:
+    """What defines a cache's content, from its root attributes (flattened keys -> values; NOT_IDENTITY left out)."""
+    flat = _flatten(json.loads(json.dumps(metadata, default=str)))
+    return {k: v for k, v in sorted(flat.items()) if not k.startswith(NOT_IDENTITY)}
+
+
+def _cache_record(caches: dict[str, dict | None] | None, cfg: TrainConfig) -> dict[str, dict]:
+    """{flag: {"path", "identity"}} of --cache and --val-cache; their root metadata read here unless given."""
+    paths = {flag: str(p) for flag, p in (("cache", cfg.cache), ("val_cache", cfg.val_cache)) if p}
+    if caches is None:  # only the root zarr.json of each: what the trainer's open read already
+        caches = {flag: read_root(Store(p)) for flag, p in paths.items()}
+    return {flag: {"path": paths[flag] if "://" in paths[flag] else os.path.abspath(paths[flag]),
+                   "identity": cache_identity(meta)}
+            for flag, meta in caches.items() if meta is not None and flag in paths}
+
+
+def _cache_problem(old_doc: dict, record: dict[str, dict], out: str) -> str | None:
+    """Why this run's caches are not the ones RUN was trained on (None when they are, or cannot be told)."""
+    old = old_doc.get("caches")
+    if not isinstance(old, dict):
+        return None
+    for flag in ("cache", "val_cache"):
+        was, now = old.get(flag), record.get(flag)
+        if not isinstance(was, dict) or now is None or was.get("path") != now["path"]:
+            continue  # not recorded, not used now, or (--val-cache) another held-out set chosen on purpose
+        a, b = was.get("identity") or {}, now["identity"]
+        keys = [k for k in IDENTITY_FIRST if k in a or k in b] + sorted(set(a) | set(b) - set(IDENTITY_FIRST))
+        diffs = [k for k in keys if a.get(k) != b.get(k)]
+        if diffs:
+            k = diffs[0]
+            more = f" (also different: {', '.join(diffs[1:4])}{', ...' if len(diffs) > 4 else ''})" if diffs[1:] else ""
+            return (f"--{flag.replace('_', '-')} {now['path']}: {out} was trained on another cache at this path "
+                    f"(re-extracted or replaced since): field '{k}' was {a.get(k)!r}, now {b.get(k)!r}{more}; "
+                    "resuming would mix two datasets in one run: use the cache it was trained on, another --out, "
+                    "or --overwrite to start over")
+    return None
+
+
+def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, dict | None] | None = None) -> None:
+    """RUN/run.json must describe the same run, trained on the same caches (`caches`: flag -> the root metadata of
+    --cache / --val-cache, or None; read from their paths when not given): else an error, or start over with
+    --overwrite. Then the checkpoint a resume starts from is settled (resume_checkpoint). Rank 0 only, before the
+    other ranks look at RUN."""
     check_out_path(cfg)
     path = os.path.join(cfg.out, RUN_MARKER)
     old_doc = _run_marker(cfg.out)
+    record = _cache_record(caches, cfg)
     if old_doc is not None:
         old = old_doc.get("config", {})
-        for k in IDENTITY:
-            if json.dumps(old.get(k)) != json.dumps(resolved.get(k)):
-                if cfg.overwrite:
-                    _remove_run(cfg.out)
-                    break
-                raise TrainError(f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
-                                 f"{resolved.get(k)!r}; use another --out, or --overwrite to start over")
+        problem = next((f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
+                        f"{resolved.get(k)!r}; use another --out, or --overwrite to start over"
+                        for k in IDENTITY if json.dumps(old.get(k)) != json.dumps(resolved.get(k))), None)
+        problem = problem or _cache_problem(old_doc, record, cfg.out)
+        if problem and cfg.overwrite:
+            _remove_run(cfg.out)
+            old_doc = None
+        elif problem:
+            raise TrainError(problem)
+        elif "caches" not in old_doc and record and os.path.isdir(os.path.join(cfg.out, "checkpoints")):
+            print0(f"train: note: {cfg.out}/run.json records no identity of its cache (written by an older dflash): "
+                   "cannot check that --cache holds the data the run was trained on")
     elif cfg.overwrite and os.path.isdir(cfg.out):
         _remove_run(cfg.out)
+    if old_doc is not None:
+        try:
+            resume_checkpoint(cfg.out)
+        except NoIntactCheckpoint:
+            if not cfg.overwrite:
+                raise
+            _remove_run(cfg.out)  # nothing to resume from: --overwrite starts over
     os.makedirs(os.path.join(cfg.out, "checkpoints"), exist_ok=True)
-    atomic_json(path, {"config": resolved, "dflash": "train"})
+    atomic_json(path, {"config": resolved, "dflash": "train", "caches": record})
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+class NoIntactCheckpoint(TrainError):
+    """Every checkpoint of a run directory is damaged: nothing to resume from."""
+
+
+MANIFEST = "manifest.json"  # written last in a step directory: the size and digest of each of its files
+CHECKPOINT_FILES = ("model.safetensors", "optimizer.pt", "trainer.json")
+STEP_DIR = re.compile(r"^step_(\d+)$")
+DAMAGED = "damaged-"  # prefix of a damaged checkpoint moved aside (kept for inspection, never deleted)
 
 
 def latest_checkpoint(out: str) -> str | None:
+    """The checkpoint `latest` names, if its trainer.json exists (no check of its bytes: resume_checkpoint)."""
     p = os.path.join(out, "checkpoints", "latest")
     if not os.path.exists(p):
         return None
     with open(p) as f:
         name = f.read().strip()
     full = os.path.join(out, "checkpoints", name)
-    return full if os.path.exists(os.path.join(full, "trainer.json")) else None
+    return full if name and os.path.exists(os.path.join(full, "trainer.json")) else None
+
+
+def checkpoint_problem(ck: str) -> str | None:
+    """None when the checkpoint directory `ck` is intact (module docstring), else what is wrong, naming the file."""
+    manifest = os.path.join(ck, MANIFEST)
+    if os.path.exists(manifest):
+        try:
+            with open(manifest) as f:
+                files = json.load(f)["files"]
+        except (OSError, ValueError, KeyError, TypeError):
+            files = None
+        if not isinstance(files, dict) or not set(CHECKPOINT_FILES) <= set(files):
+            return f"{MANIFEST}: not a readable manifest"
+        return check_files(files, {name: os.path.join(ck, name) for name in files})
+    for name in CHECKPOINT_FILES:  # written before manifests: the files must at least be whole
+        if not os.path.isfile(os.path.join(ck, name)):
+            return f"{name}: missing"
+    try:
+        with open(os.path.join(ck, "trainer.json")) as f:
+            int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return "trainer.json: not a readable record"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(ck, "model.safetensors"), framework="pt"):
+            pass
+    except Exception as e:  # noqa: BLE001 - any failure to open is a damaged file
+        return f"model.safetensors: {e}"
+    import zipfile
+
+    try:
+        with zipfile.ZipFile(os.path.join(ck, "optimizer.pt")) as z:
+            z.namelist()
+    except (OSError, zipfile.BadZipFile) as e:
+        return f"optimizer.pt: {e}"
+    return None
+
+
+def resume_checkpoint(out: str) -> str | None:
+    """Settle the checkpoint a resume starts from: the newest intact step_N of RUN/checkpoints. Damaged newer ones
+    are moved aside (checkpoints/damaged-step_N) and `latest` is pointed at the one chosen, with one note when that
+    is not what `latest` named; returns its path (None: no checkpoint, the run starts at step 0). No intact one
+    among several is a TrainError naming each and what is wrong with it."""
+    ck = os.path.join(out, "checkpoints")
+    if not os.path.isdir(ck):
+        return None
+    steps = sorted((d for d in os.listdir(ck) if STEP_DIR.match(d) and os.path.isdir(os.path.join(ck, d))),
+                   key=lambda d: int(STEP_DIR.match(d).group(1)), reverse=True)
+    try:
+        with open(os.path.join(ck, "latest")) as f:
+            named = f.read().strip() or None
+    except OSError:
+        named = None
+    if not steps:
+        if named:
+            print0(f"train: note: {ck}/latest names {named}, which is missing, and no other checkpoint exists: "
+                   "starting from step 0")
+        return None
+    chosen, damaged = None, []
+    for d in steps:
+        problem = checkpoint_problem(os.path.join(ck, d))
+        if problem is None:
+            chosen = d
+            break
+        damaged.append((d, problem))
+    if chosen is None:
+        found = "; ".join(f"{d}: {p}" for d, p in damaged)
+        raise NoIntactCheckpoint(f"{out}: no intact checkpoint to resume from ({found}): restore one, or pass "
+                                 "--overwrite to start over")
+    for d, _ in damaged:
+        aside = os.path.join(ck, DAMAGED + d)
+        shutil.rmtree(aside, ignore_errors=True)  # an older copy set aside under the same name
+        os.replace(os.path.join(ck, d), aside)
+    if damaged:
+        what = "; ".join(f"{d} is damaged ({p})" for d, p in damaged)
+        print0(f"train: note: {what}: kept aside as {', '.join(DAMAGED + d for d, _ in damaged)}; resuming from "
+               f"{chosen}, the newest intact checkpoint")
+    elif named != chosen:
+        why = ("checkpoints/latest is missing" if named is None
+               else f"checkpoints/latest names {named}, which is missing" if not os.path.isdir(os.path.join(ck, named))
+               else f"checkpoints/latest names {named}, but a newer one is intact (the run stopped before updating it)")
+        print0(f"train: note: {why}; resuming from {chosen}, the newest intact checkpoint")
+    if named != chosen:
+        atomic_write(os.path.join(ck, "latest"), chosen)
+    return os.path.join(ck, chosen)
 
 
 def finished_run(out: str, step: int, total_steps: int) -> dict[str, Any] | None:
@@ -115,22 +308,45 @@ def finished_run(out: str, step: int, total_steps: int) -> dict[str, Any] | None
     return dict(summary, steps_this_run=0) if summary.get("steps") == step else None
 
 
+def _metric_lines(path: str) -> tuple[list[tuple[str, dict]], list[int]]:
+    """([(line, record)], [numbers of the lines that are not a whole record]) of a metrics.jsonl: a write cut
+    short (disk full) leaves a partial last line, which a later append may have run into."""
+    good, bad = [], []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, ln in enumerate(f, 1):
+            if not ln.strip():
+                continue
+            try:
+                rec = json.loads(ln)
+                ok = isinstance(rec, dict) and isinstance(rec.get("step"), int)
+            except ValueError:
+                ok = False
+            if ok:
+                good.append((ln if ln.endswith("\n") else ln + "\n", rec))
+            else:
+                bad.append(i)
+    return good, bad
+
+
 def read_metrics(out: str) -> list[dict]:
-    """The records of RUN/metrics.jsonl in order ([] before the first one is logged)."""
+    """The whole records of RUN/metrics.jsonl in order ([] before the first one is logged)."""
     path = os.path.join(out, "metrics.jsonl")
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        return [json.loads(ln) for ln in f if ln.strip()]
+    return [rec for _, rec in _metric_lines(path)[0]]
 
 
 def drop_metrics_after(out: str, step: int) -> None:
-    """Remove the records of steps > step from RUN/metrics.jsonl (they are about to be redone)."""
+    """Remove the records of steps > step from RUN/metrics.jsonl (they are about to be redone), and lines that are
+    not a whole record (with a note)."""
     metrics = os.path.join(out, "metrics.jsonl")
     if os.path.exists(metrics):
-        with open(metrics) as f:
-            keep = [ln for ln in f if ln.strip() and json.loads(ln)["step"] <= step]
-        atomic_write(metrics, "".join(keep))
+        good, bad = _metric_lines(metrics)
+        if bad:
+            lines = ", ".join(map(str, bad[:5])) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+            print0(f"train: note: {metrics}: line{'s' if len(bad) > 1 else ''} {lines} not a whole record (a write "
+                   "cut short, e.g. by a full disk): dropped")
+        atomic_write(metrics, "".join(ln for ln, rec in good if rec["step"] <= step))
 
 
 class DiskWriteError(TrainError):
@@ -195,6 +411,9 @@ def save_checkpoint(out: str, step: int, model: DFlashDrafter, opt: torch.optim.
             torch.save(opt.state_dict(), f)
     with writing(os.path.join(tmp, "trainer.json"), last_good, cleanup=tmp):
         atomic_json(os.path.join(tmp, "trainer.json"), state)
+    with writing(os.path.join(tmp, MANIFEST), last_good, cleanup=tmp):  # last: what a resume trusts the files on
+        files = {n: os.path.join(tmp, n) for n in sorted(os.listdir(tmp)) if not n.startswith(".")}
+        atomic_json(os.path.join(tmp, MANIFEST), {"files": file_record(files)})
     final = os.path.join(ck, name)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
