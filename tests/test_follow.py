@@ -340,3 +340,34 @@ def test_without_follow_an_incomplete_cache_is_refused_naming_follow(env, tmp_pa
     assert r.exit_code == 2, r.output
     lines = [ln for ln in r.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and lines[0].startswith("error: ") and "incomplete" in lines[0] and "--follow" in lines[0]
+
+
+# ------------------------------------------------------------------------------------------------ dflash pipeline
+
+
+@pytest.mark.slow
+def test_pipeline_runs_extraction_and_a_following_trainer_on_the_cpu(env, tmp_path):
+    cache, run = tmp_path / "cache", tmp_path / "run"
+    p = subprocess.run([PY, "-m", "dflash", "pipeline", "--target", env["target"], "--data", env["data"], "--cache",
+                        str(cache), "--out", str(run), "--status-every", "2",
+                        "--extract-args", " ".join(map(str, EXTRACT)), "--train-args", " ".join(map(str, TRAIN))],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=400)
+    out = p.stdout
+    assert p.returncode == 0, out[-4000:] + p.stderr[-3000:]
+    assert "[extract] extract: wrote" in out and "[train] train: step" in out, out
+    assert "pipeline: extraction:" in out  # the status lines
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("pipeline: extraction 9,620 tokens") and "tok/s" in last and "training 40 steps" in last, last
+    assert "from start to the trained drafter" in last, last
+    assert_same_run(env["ref"], run)
+
+
+def test_pipeline_refuses_flags_it_sets_itself(env, tmp_path):
+    r = CliRunner().invoke(cli_main, ["pipeline", "--target", env["target"], "--data", env["data"], "--cache",
+                                      str(tmp_path / "c"), "--out", str(tmp_path / "r"), "--train-args",
+                                      "--epochs 2 --cache elsewhere"])
+    assert r.exit_code == 2, r.output
+    assert r.stderr.strip().splitlines() == [
+        "error: --train-args: --cache is set by `dflash pipeline` itself (--target, --cache, --out, --config, --gpus, "
+        "--follow); give it to the pipeline"]
+    assert not (tmp_path / "c").exists() and not (tmp_path / "r").exists()
