@@ -11,7 +11,11 @@ into the same workdir:
        every answer regenerated after the target's own earlier ones; history "dataset": one sample per answered
        user turn, the history as chitchat has it, only its answer regenerated (`regenerate --turns last`, the
        kept answers marked weight 0: context, not trained on). The eval prompts are held-out histories up to a
-       user turn, at varied turn positions; the held-out conversations, cut the same way, make the validation set
+       user turn, at varied turn positions; the held-out conversations, cut the same way, make the validation set.
+       With several `sources` (dflash/demo_sources.py: chat and instruction datasets shipped in packages), each is
+       split so and their samples mixed by fixed shares (mix_sources); the in-source eval prompts come from every
+       source's held-out conversations, and a `heldout_source` kept whole out of training (MT-Bench) gives the
+       out-of-source prompts, beside them in the same eval (rows labelled `set` and `category`)
     -> regenerate the answers with the target (large batch)
     -> extract the hidden states (and the validation set's, for train's --val-cache) -> train (compiled CUDA-graph
        step, held-out loss and decoding tau at every checkpoint)
