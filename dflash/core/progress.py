@@ -1,4 +1,12 @@
-"""Progress bars: tqdm on an interactive terminal; in logs (not a tty) a line every 30 s instead of \\r spam."""
+"""Progress bars with an honest ETA: tqdm on an interactive terminal; in logs (not a tty) a line every 30 s instead
+of \\r spam.
+
+tqdm's own ETA divides the work left by the rate since the start (or a moving average of it), so the slow first units
+of a stage - a compile, a first prefill, the wait for the first finished conversation - count as if every unit took
+that long (a log once showed an ETA of 6 h 18 min for a stage that took 5.5 minutes). Here the rate behind the ETA
+is measured from the end of a warm-up on (EtaRate): the first `warmup` units after the bar's `initial` are not timed,
+and until they are done, and one more unit after them, the bar shows no ETA ("?") rather than a wrong one.
+"""
 
 from __future__ import annotations
 
@@ -7,10 +15,59 @@ import sys
 from tqdm.auto import tqdm
 
 
-def bar(enabled: bool = True, **kw) -> tqdm:
+class EtaRate:
+    """The rate (units per second) of a bar after its warm-up: `observe(n, t)` at every update (n: units done so far,
+    t: seconds on any clock); `rate(n, t)` is (n - n_w) / (t - t_w), where (n_w, t_w) is the first observation with
+    n - initial >= warmup, or None until a unit after the warm-up is done; `eta(n, total, t)` the seconds left at
+    that rate, or None."""
+
+    def __init__(self, warmup: float = 1, initial: float = 0):
+        if warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {warmup}")
+        self.warmup, self.initial = warmup, initial
+        self.mark: tuple[float, float] | None = None  # (n_w, t_w): where the timed part starts
+
+    def observe(self, n: float, t: float) -> None:
+        if self.mark is None and n - self.initial >= self.warmup:
+            self.mark = (n, t)
+
+    def rate(self, n: float, t: float) -> float | None:
+        if self.mark is None or n <= self.mark[0] or t <= self.mark[1]:
+            return None
+        return (n - self.mark[0]) / (t - self.mark[1])
+
+    def eta(self, n: float, total: float | None, t: float) -> float | None:
+        r = self.rate(n, t)
+        return None if r is None or total is None else max(0.0, total - n) / r
+
+
+class Bar(tqdm):
+    """tqdm whose rate (and so its ETA) is EtaRate's: none shown during the warm-up."""
+
+    def __init__(self, *args, warmup: float = 1, **kw):
+        self.eta_rate = EtaRate(warmup, kw.get("initial", 0) or 0)  # before tqdm's __init__, which may draw
+        super().__init__(*args, **kw)
+        if not self.disable:
+            self.eta_rate.observe(self.n, self._time())  # warmup 0: timed from the start
+
+    def update(self, n: float | None = 1):
+        if not self.disable:
+            self.eta_rate.observe(self.n + (n or 0), self._time())
+        return super().update(n)
+
+    @property
+    def format_dict(self):
+        d = super().format_dict
+        # a rate of 0 (not None: tqdm would fall back to its average since the start) prints "?" for rate and ETA
+        d["rate"] = self.eta_rate.rate(d["n"], self._time()) or 0.0
+        return d
+
+
+def bar(enabled: bool = True, warmup: float = 1, **kw) -> Bar:
+    """A progress bar on stderr (tqdm's keywords); `warmup`: the units before the ETA's rate is timed (EtaRate)."""
     tty = sys.stderr.isatty()
     kw.setdefault("dynamic_ncols", True)
     if not tty:
         kw.setdefault("mininterval", 30.0)
         kw.setdefault("ncols", 100)
-    return tqdm(disable=not enabled, file=sys.stderr, **kw)
+    return Bar(disable=not enabled, file=sys.stderr, warmup=warmup, **kw)
