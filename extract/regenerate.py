@@ -115,7 +115,7 @@ class RegenerateConfig:
         check(self.max_samples is None or self.max_samples > 0, "max_samples", "must be positive")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check(self.temperature >= 0 and math.isfinite(self.temperature), "temperature",
-              f"must be >= 0 (0 = greedy), got {self.temperature}")
+              f"must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         check(0 < self.top_p <= 1, "top_p", f"must be in (0, 1], got {self.top_p}")
         check(self.seed >= 0, "seed", f"must be >= 0, got {self.seed}")
         check(self.part_size >= 1, "part_size", f"must be >= 1, got {self.part_size}")

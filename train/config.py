@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.core.config import check
+from dflash.core.config import check, finite
 from dflash.core.errors import DflashError
 
 
@@ -69,6 +69,9 @@ class TrainConfig:
     wandb_mode: str | None = None  # online / offline
     progress: bool = True
 
+    # a flag given for one of these drops a preset's value of the other (dflash.core.config.build)
+    EXCLUSIVE = (("max_steps", "epochs"),)
+
     def __post_init__(self):
         check(bool(self.cache), "cache", "is required (a cache written by `dflash extract`)")
         check(bool(self.target), "target", "is required (the same target model the cache was extracted from)")
@@ -76,20 +79,30 @@ class TrainConfig:
         check(self.drafter_layers >= 1, "drafter_layers", f"must be >= 1, got {self.drafter_layers}")
         check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
         check(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
-        check(self.gamma > 0, "gamma", "must be > 0")
+        check(finite(self.gamma) and self.gamma > 0, "gamma", f"must be a finite number > 0, got {self.gamma}")
         check(self.batch_rows >= 1, "batch_rows", f"must be >= 1, got {self.batch_rows}")
         check(self.grad_accum >= 1, "grad_accum", f"must be >= 1, got {self.grad_accum}")
-        check(self.max_steps is None or self.max_steps >= 1, "max_steps", "must be >= 1")
-        check(self.epochs is None or self.epochs > 0, "epochs", "must be > 0")
+        check(self.max_steps is None or self.max_steps >= 1, "max_steps", f"must be >= 1, got {self.max_steps}")
+        check(self.epochs is None or (finite(self.epochs) and self.epochs > 0), "epochs",
+              f"must be a finite number > 0, got {self.epochs}")
         check(not (self.max_steps and self.epochs), "max_steps", "and --epochs are exclusive: give one")
-        check(self.lr > 0, "lr", "must be > 0")
-        check(0 <= self.warmup_ratio < 1, "warmup_ratio", "must be in [0, 1)")
-        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        check(self.grad_clip > 0, "grad_clip", "must be > 0")
+        check(finite(self.lr) and self.lr > 0, "lr", f"must be a finite number > 0, got {self.lr}")
+        check(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
+        check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
+        check(finite(self.weight_decay) and self.weight_decay >= 0, "weight_decay",
+              f"must be a finite number >= 0, got {self.weight_decay}")
+        check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1", f"and beta2 must be in [0, 1), got {self.beta1}, "
+              f"{self.beta2}")
+        check(finite(self.grad_clip) and self.grad_clip > 0, "grad_clip", f"must be a finite number > 0, got {self.grad_clip}")
+        # anchors are seeded by (seed * 1_000_003 + step) * 65_537, which must stay below 2**64 (trainer.anchor_scores)
+        check(0 <= self.seed < 2**28, "seed", f"must be in [0, 2**28 = {2**28}), got {self.seed}")
+        check(self.mask_token_id is None or self.mask_token_id >= 0, "mask_token_id",
+              f"must be >= 0 (a token id of the target's vocabulary), got {self.mask_token_id}")
         check(self.param_dtype in ("auto", "bfloat16", "float32"), "param_dtype", "must be auto, bfloat16 or float32")
         check(self.attn in ("auto", "flex", "split", "sdpa"), "attn", "must be auto, flex, split or sdpa")
         check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
-        check(self.log_every >= 1 and self.save_every >= 1, "log_every", "and --save-every must be >= 1")
+        check(self.log_every >= 1, "log_every", f"must be >= 1, got {self.log_every}")
+        check(self.save_every >= 1, "save_every", f"must be >= 1, got {self.save_every}")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.loader_threads >= 1, "loader_threads", f"must be >= 1 (threads that decode the cache), got {self.loader_threads}")
         check(self.val_max_new_tokens >= 0, "val_max_new_tokens",
@@ -98,7 +111,8 @@ class TrainConfig:
         check(self.prefetch >= 1, "prefetch", f"must be >= 1, got {self.prefetch}")
         check(self.shuffle_window >= 0, "shuffle_window",
               f"must be >= 0 (rows; 0 = one permutation of the whole cache), got {self.shuffle_window}")
-        check(self.follow_timeout > 0, "follow_timeout", f"must be > 0 (seconds), got {self.follow_timeout}")
+        check(finite(self.follow_timeout) and self.follow_timeout > 0, "follow_timeout",
+              f"must be a finite number > 0 (seconds), got {self.follow_timeout}")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
 
 

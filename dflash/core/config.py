@@ -7,12 +7,28 @@ A preset is a YAML file with one section per command:
 
 `--config NAME` takes a path, or the name of a preset in the configs/ folder, which ships inside the package
 as `dflash.configs` (read through importlib.resources: it works from a checkout, an editable install and a wheel).
+
+Contract:
+- A preset is read as YAML 1.2 reads booleans: only true/false are booleans, so `tokenize_cache: off` or
+  `compile: off` stay the words they are (YAML 1.1 read off/no/on/yes as booleans). A boolean setting takes
+  true/false and the words on/off/yes/no.
+- Each preset value is checked against its field's type (coerce): an integer, a float (6e-4 as well as 6.0e-4:
+  YAML reads the first as a string), a string, a list of integers, a mapping; a wrong one is a ConfigError naming
+  the flag and the preset.
+- Flags win over the preset. Where a config declares EXCLUSIVE pairs (train: max_steps / epochs), a flag given for
+  one member drops the preset's value of the other; a preset that sets both is named.
+- Every problem is a ConfigError (a DflashError: one `error:` line) naming the flag (`check`), or the preset file and
+  the line of a YAML error. A value a preset set says so in the message ("(set by --config FILE)").
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
+import types
+import typing
 from importlib import resources
 from typing import Any, TypeVar
 
@@ -25,11 +41,34 @@ C = TypeVar("C")
 
 
 class ConfigError(DflashError, ValueError):
-    """A bad setting; the message names the flag (e.g. --seq-len)."""
+    """A bad setting; the message names the flag (e.g. --seq-len). `field`: the setting it is about, if one."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def flag(name: str) -> str:
     return "--" + name.replace("_", "-")
+
+
+class PresetLoader(yaml.SafeLoader):
+    """yaml.SafeLoader with YAML 1.2's booleans: true/false only (1.1 also reads on/off/yes/no/y/n as booleans, which
+    turned `tokenize_cache: off` into False)."""
+
+
+PresetLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+PresetLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                   list("tTfF"))
+
+BOOL_WORDS = {"true": True, "on": True, "yes": True, "false": False, "off": False, "no": False}
+
+
+def finite(x) -> bool:
+    """A real number that is neither nan nor infinite (for checks: `check(finite(x) and x > 0, ...)`)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def presets() -> dict[str, resources.abc.Traversable]:
@@ -39,6 +78,10 @@ def presets() -> dict[str, resources.abc.Traversable]:
 
 def resolve_preset(name: str):
     """A path given with --config, or the packaged preset of that name (with or without .yaml)."""
+    if os.path.islink(name) and not os.path.exists(name):
+        raise ConfigError(f"--config {name} is a dangling symlink (to {os.readlink(name)}, which does not exist)")
+    if os.path.isdir(name):
+        raise ConfigError(f"--config {name} is a directory; give a YAML file or the name of a preset")
     if os.path.exists(name):
         return name
     shipped = presets()
@@ -49,46 +92,151 @@ def resolve_preset(name: str):
 
 
 def read_preset(name: str | None, section: str) -> dict[str, Any]:
+    """The `section` mapping of a preset, keys with - or _ alike; {} without a preset. ConfigError naming the file
+    (and the line of a YAML error) for anything that is not a YAML mapping of mappings."""
     if not name:
         return {}
     path = resolve_preset(name)
-    with (open(path) if isinstance(path, str) else path.open()) as f:
-        doc = yaml.safe_load(f) or {}
+    try:
+        with (open(path, "rb") if isinstance(path, str) else path.open("rb")) as f:
+            doc = yaml.load(f.read().decode("utf-8"), Loader=PresetLoader) or {}
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path}: not a UTF-8 text file (byte {e.start})") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path}: not valid YAML{where}: {what}") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path}: cannot read it: {e.strerror or e}") from None
     if not isinstance(doc, dict):
-        raise ConfigError(f"--config: {path} must hold a mapping of sections")
+        raise ConfigError(f"--config {path} must hold a mapping of sections (extract:, train:, ...), "
+                          f"not a {type(doc).__name__}")
     sec = doc.get(section, {}) or {}
     if not isinstance(sec, dict):
-        raise ConfigError(f"--config: section '{section}' of {path} must be a mapping")
+        raise ConfigError(f"--config: section '{section}' of {path} must be a mapping, not a {type(sec).__name__}")
+    bad = [k for k in sec if not isinstance(k, str)]
+    if bad:
+        raise ConfigError(f"--config: section '{section}' of {path} has a key {bad[0]!r} that is not a setting name")
     return {k.replace("-", "_"): v for k, v in sec.items()}
 
 
+def _type_name(v) -> str:
+    return "null" if v is None else type(v).__name__
+
+
+def coerce(name: str, value, hint) -> Any:
+    """`value` (read from a preset) as the type `hint` of setting `name` wants, or a ConfigError naming its flag.
+    Integers stay integers (a boolean is not one), floats take integers and strings such as 6e-4 (which YAML reads
+    as a string), booleans take on/off/yes/no, strings take numbers (a split named 2024), list[int] takes a list or
+    "1,9,17" ("auto": None)."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        kinds = [a for a in args if a is not type(None)]
+        hint = kinds[0] if len(kinds) == 1 else Any
+    if hint is Any:
+        return value
+    origin = typing.get_origin(hint) or hint
+    bad = f"{flag(name)} expects {{}}, got {value!r} ({_type_name(value)})"
+    if origin is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in BOOL_WORDS:
+            return BOOL_WORDS[value.lower()]
+        raise ConfigError(bad.format("true or false"), name)
+    if origin is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(bad.format("an integer"), name)
+    if origin is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(bad.format("a number"), name)
+    if origin is str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(bad.format("a string" + (" (quote it)" if isinstance(value, bool) else "")), name)
+    if origin is list:
+        if isinstance(value, str):
+            return parse_int_list(value, name) if typing.get_args(hint) == (int,) else [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(bad.format("a list"), name)
+        if typing.get_args(hint) == (int,):
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in value):
+                raise ConfigError(bad.format("a list of integers"), name)
+        return list(value)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(bad.format("a mapping (key: value, ...)"), name)
+        return value
+    return value
+
+
 def build(cls: type[C], preset: str | None, section: str, flags: dict[str, Any]) -> C:
-    """cls(**defaults | preset[section] | flags that were given); unknown keys are errors."""
+    """cls(**defaults | preset[section] | flags that were given); unknown keys are errors. Preset values are coerced
+    to their fields' types (coerce); a flag of one of cls.EXCLUSIVE's pairs drops the preset's other member."""
     names = {f.name for f in dataclasses.fields(cls)}
     values = read_preset(preset, section)
     unknown = sorted(set(values) - names)
     if unknown:
-        raise ConfigError(f"--config: unknown setting(s) {', '.join(unknown)} in section '{section}'")
-    values.update({k: v for k, v in flags.items() if v is not None and k in names})
+        raise ConfigError(f"--config: unknown setting(s) {', '.join(unknown)} in section '{section}' of {preset}")
+    hints = typing.get_type_hints(cls)
+    try:
+        values = {k: coerce(k, v, hints[k]) for k, v in values.items()}
+    except ConfigError as e:
+        raise ConfigError(f"{e} (set by --config {preset})", e.field) from None
+    given = {k: v for k, v in flags.items() if v is not None and k in names}
+    for group in getattr(cls, "EXCLUSIVE", ()):
+        if any(k in given for k in group):
+            for k in group:
+                if k not in given:
+                    values.pop(k, None)
+        elif sum(values.get(k) is not None for k in group) > 1:
+            raise ConfigError(f"--config {preset} sets both {' and '.join(group)} in section '{section}' "
+                              f"({' and '.join(flag(k) for k in group)} are exclusive): keep one, or give one as a flag",
+                              group[0])
+    from_preset = set(values) - set(given)
+    values.update(given)
     try:
         return cls(**values)
+    except ConfigError as e:
+        if e.field in from_preset:
+            raise ConfigError(f"{e} (set by --config {preset})", e.field) from None
+        raise
     except TypeError as e:
         raise ConfigError(str(e)) from e
 
 
 def check(ok: bool, name: str, msg: str) -> None:
     if not ok:
-        raise ConfigError(f"{flag(name)} {msg}")
+        raise ConfigError(f"{flag(name)} {msg}", name)
 
 
 def parse_kv(items: tuple[str, ...] | list[str] | None, name: str) -> dict[str, Any]:
-    """['enable_thinking=false', 'x=3'] -> {'enable_thinking': False, 'x': 3} (values parsed as YAML)."""
+    """['enable_thinking=false', 'x=3'] -> {'enable_thinking': False, 'x': 3} (values parsed as YAML, whose off/no
+    are false here: template variables are mostly switches). KEY must be a name a template can use."""
     out: dict[str, Any] = {}
     for it in items or ():
         if "=" not in it:
-            raise ConfigError(f"{flag(name)} expects KEY=VALUE, got {it!r}")
+            raise ConfigError(f"{flag(name)} expects KEY=VALUE, got {it!r}", name)
         k, v = it.split("=", 1)
-        out[k.strip()] = yaml.safe_load(v)
+        k = k.strip()
+        if not k.isidentifier():
+            raise ConfigError(f"{flag(name)} {it!r}: the key {k!r} is not a name (letters, digits, _)", name)
+        try:
+            out[k] = yaml.safe_load(v)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{flag(name)} {it!r}: the value is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                              "quote it as a string: KEY='...'", name) from None
     return out
 
 
