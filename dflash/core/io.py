@@ -3,7 +3,9 @@
 Contract:
 - `atomic_write(path, data)` writes str or bytes under a hidden temporary name in the same directory
   (`.NAME.tmp-PID`, TEMPORARY_GLOB), then renames it over `path`: a reader sees the old file or the new one, never half
-  of one. On any failure the temporary file is removed and the error propagates.
+  of one. On any failure the temporary file is removed and the error propagates; a failure for lack of room (disk
+  full, quota, file-size limit) or a read-only filesystem propagates as a WriteError naming `path` (an OSError
+  with the same errno, and a DflashError: one `error:` line in the CLI).
 - `durable=True` also fsyncs the file before the rename, so that after a crash (power loss, not just a
   killed process) a renamed file is never empty or short. Use it for files that a later resume trusts as
   a commit record (`dflash regenerate`'s parts, their counts and its metadata: hours of generation are
@@ -26,6 +28,7 @@ Contract:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -34,7 +37,25 @@ from collections.abc import Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from dflash.core.errors import DflashError
+
 TEMPORARY_GLOB = ".*.tmp-*"  # atomic_write's temporary names: left behind only by a process killed mid-write
+
+# errnos of a write that failed for the place, not for the program: no room, or no writing allowed there
+NO_ROOM = {errno.ENOSPC: "disk full", errno.EFBIG: "file too large for the filesystem or the file-size limit",
+           errno.EDQUOT: "disk quota exceeded", errno.EROFS: "read-only filesystem", errno.EACCES: "permission denied"}
+
+
+class WriteError(DflashError, OSError):
+    """A file that could not be written for lack of room or permission (NO_ROOM): an OSError with the original errno
+    whose message names the file."""
+
+    def __init__(self, path: str, err: OSError):
+        OSError.__init__(self, err.errno, err.strerror, path)
+        self.message = f"cannot write {path}: {NO_ROOM[err.errno]} ({err.strerror}); free space or write elsewhere"
+
+    def __str__(self) -> str:
+        return self.message
 
 
 def temporary_name(path: str) -> str:
@@ -53,11 +74,13 @@ def atomic_write(path: str, data: str | bytes, *, durable: bool = False) -> None
                 f.flush()
                 os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         try:  # no temporary file left behind (disk full, a directory in the way, ...)
             os.unlink(tmp)
         except OSError:
             pass
+        if isinstance(e, OSError) and not isinstance(e, WriteError) and e.errno in NO_ROOM:
+            raise WriteError(path, e) from e
         raise
 
 
