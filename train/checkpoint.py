@@ -3,6 +3,10 @@
 `save_drafter` writes `config.json` + `model.safetensors` (HF `save_pretrained` layout, the one DFlash
 drafters are served from); `load_drafter` reads them back into a `DFlashDrafter`. The target's embedding and
 LM head are buffers, never saved: install them with `DFlashDrafter.set_target_head` after loading.
+
+A directory that is not such a checkpoint (a target model, a missing or garbled file, weights cut short or of
+other shapes than the config's) is a DrafterError whose message starts with the directory and names the file;
+`check_fits_target` tells a drafter made for another target (width, vocabulary, layers) before anything loads.
 """
 
 from __future__ import annotations
@@ -90,19 +94,70 @@ def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfl
     save_file(drafter_state_dict(model, dtype), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
 
 
-def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu") -> DFlashDrafter:
-    from safetensors.torch import load_file
-
+def read_drafter_config(path: str) -> DrafterConfig:
+    """The DrafterConfig of the checkpoint directory `path` (its config.json), or a DrafterError naming what is wrong."""
     cfg_path = os.path.join(path, CONFIG_NAME)
+    if not os.path.isdir(path):
+        raise DrafterError(f"{path} is not a drafter checkpoint: not a directory")
     if not os.path.exists(cfg_path):
         raise DrafterError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
-    with open(cfg_path) as f:
-        cfg = config_from_servable(json.load(f))
-    sd = load_file(os.path.join(path, WEIGHTS_NAME))
+    try:
+        with open(cfg_path, "rb") as f:
+            d = json.loads(f.read())
+    except (OSError, ValueError) as e:
+        raise DrafterError(f"{path}: {CONFIG_NAME} cannot be read as JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise DrafterError(f"{path}: {CONFIG_NAME} holds a {type(d).__name__}, not a drafter config")
+    if "num_target_layers" not in d:
+        raise DrafterError(f"{path} is not a DFlash drafter checkpoint: its {CONFIG_NAME} has no num_target_layers "
+                           f"or dflash_config{' (it is a target model config)' if 'dflash_config' not in d else ''}; "
+                           "give the final/ directory of a `dflash train` run")
+    try:
+        return config_from_servable(d)
+    except KeyError as e:
+        raise DrafterError(f"{path}: {CONFIG_NAME} lacks the field {e}") from None
+    except (TypeError, ValueError) as e:
+        raise DrafterError(f"{path}: {CONFIG_NAME} has a value of the wrong kind ({e})") from None
+
+
+def check_fits_target(cfg: DrafterConfig, path: str, target_cfg, target: str) -> None:
+    """A DrafterError when the drafter at `path` cannot draft for the target of HF text config `target_cfg`: another
+    hidden size or vocabulary, or context layers the target does not have."""
+    L = target_cfg.num_hidden_layers
+    if cfg.hidden_size != target_cfg.hidden_size:
+        raise DrafterError(f"{path} drafts for a target of hidden size {cfg.hidden_size}; --target {target} has hidden "
+                           f"size {target_cfg.hidden_size}")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise DrafterError(f"{path} drafts for a vocabulary of {cfg.vocab_size} tokens; --target {target} has "
+                           f"{target_cfg.vocab_size}")
+    bad = [i for i in cfg.target_layer_ids if not 0 <= i < L]
+    if bad:
+        raise DrafterError(f"{path} reads target layer {bad[0]} (of {cfg.num_target_layers}); --target {target} has "
+                           f"{L} layers: it was trained for another target")
+
+
+def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu") -> DFlashDrafter:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    cfg = read_drafter_config(path)
+    weights = os.path.join(path, WEIGHTS_NAME)
+    if not os.path.exists(weights):
+        raise DrafterError(f"{path} is not a complete drafter checkpoint: {WEIGHTS_NAME} is missing")
+    try:
+        sd = load_file(weights)
+    except (SafetensorError, OSError) as e:
+        raise DrafterError(f"{path}: {WEIGHTS_NAME} cannot be read ({e}): cut short or damaged") from None
     model = DFlashDrafter(cfg, attn_impl=attn_impl)
+    expected = model.state_dict()
+    for name, t in sd.items():
+        if name in expected and tuple(t.shape) != tuple(expected[name].shape):
+            raise DrafterError(f"{path}: {WEIGHTS_NAME} does not match its {CONFIG_NAME}: {name} is "
+                               f"{list(t.shape)} in the file, {list(expected[name].shape)} by the config")
     missing, unexpected = model.load_state_dict(sd, strict=False)
     if missing or unexpected:
-        raise DrafterError(f"{path}: weights do not match the config (missing {missing[:5]}, unexpected {unexpected[:5]})")
+        raise DrafterError(f"{path}: {WEIGHTS_NAME} does not match its {CONFIG_NAME} (missing {missing[:5]}, "
+                           f"unexpected {unexpected[:5]})")
     dtype = dtype or next(iter(sd.values())).dtype
     return model.to(device=device, dtype=dtype)

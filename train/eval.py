@@ -46,13 +46,14 @@ import torch
 
 from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
-from dflash.core.config import check
+from dflash.core.config import check, finite
 from dflash.core.dist import compute_init, resolve_dtype
-from dflash.core.target import load_causal_lm, load_tokenizer
+from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text_config
 
-from .checkpoint import load_drafter
+from .checkpoint import check_fits_target, load_drafter, read_drafter_config
 from .decode import Decode, NgramProposer, NoDraft, speculative
 from .drafting import DFlashProposer
+from .model import DrafterError
 from .verify import Target
 
 
@@ -86,10 +87,11 @@ class EvalConfig:
         check(bool(self.data), "data", "is required (prompts: a chat dataset; the turns before the first assistant turn)")
         check(self.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
         check(self.max_prompts is None or self.max_prompts >= 1, "max_prompts", "must be >= 1")
+        check(self.skip_prompts >= 0, "skip_prompts", f"must be >= 0, got {self.skip_prompts}")
         check(self.ngram_max >= 1, "ngram_max", "must be >= 1")
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", "must be auto, bfloat16 or float32")
         check(self.warmup_prompts >= 0, "warmup_prompts", "must be >= 0")
-        check(self.tie_margin >= 0, "tie_margin", "must be >= 0")
+        check(finite(self.tie_margin) and self.tie_margin >= 0, "tie_margin", "must be a finite number >= 0")
 
 
 # --------------------------------------------------------------------------------------------
@@ -258,10 +260,16 @@ def plot_acceptance(path: str, results: list[dict], block_size: int) -> None:
 
 def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, dev: torch.device):
     """(tokenizer, HF model, drafter on the target's embedding and LM head, Target capturing the drafter's layers):
-    what speculative decoding needs (run_eval)."""
-    tok = load_tokenizer(target_path)
-    model = load_causal_lm(target_path, device=dev, dtype=dtype)
-    drafter = load_drafter(drafter_path, dtype=dtype, device=dev)
+    what speculative decoding needs (run_eval). A drafter that is no checkpoint, or one made for another target, is a
+    DrafterError naming --drafter before the target loads."""
+    try:
+        check_fits_target(read_drafter_config(drafter_path), drafter_path, text_config(load_config(target_path)),
+                          target_path)
+        tok = load_tokenizer(target_path)
+        model = load_causal_lm(target_path, device=dev, dtype=dtype)
+        drafter = load_drafter(drafter_path, dtype=dtype, device=dev)
+    except DrafterError as e:
+        raise DrafterError(f"--drafter {e}") from None
     drafter.set_target_head(model.get_input_embeddings().weight, model.get_output_embeddings().weight)
     drafter.eval()
     return tok, model, drafter, Target(model, drafter.cfg.target_layer_ids)

@@ -1,7 +1,9 @@
 """The frozen target, as both stages load it: Hugging Face directory or GGUF file, config, tokenizer, layers.
 
-resolve_target/load_config/load_tokenizer/load_causal_lm load a target (optionally cut after its first
-`num_layers` decoder layers, without the LM head); decoder_layers finds a model's decoder stack and
+check_target looks at a target before anything loads (config.json a model config, weight files present and
+whole, tokenizer files present); resolve_target/load_config/load_tokenizer/load_causal_lm load a target
+(optionally cut after its first `num_layers` decoder layers, without the LM head); each failure is a
+TargetError naming --target, the path and the file; decoder_layers finds a model's decoder stack and
 LayerCapture hooks K of its layers so they write straight into one preallocated [..., K*H] buffer.
 Layer id i is the output of decoder layer i, i.e. HF's `hidden_states[i + 1]` (for the model's very last
 layer HF applies the final norm, and so do we). target_info and the fingerprints identify a target in a
@@ -33,18 +35,64 @@ class TargetError(DflashError):
 def resolve_target(path: str) -> tuple[str, str | None]:
     """(directory, gguf file name or None) for a model directory, a .gguf file or a dir holding one."""
     if not os.path.exists(path):
-        raise TargetError(f"target model not found: {path} does not exist (a local HF model directory or a .gguf file)")
+        raise TargetError(f"--target {path}: model not found, the path does not exist (a local HF model directory or a "
+                          ".gguf file)")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise TargetError(f"target {path} is a file but not a .gguf file")
+            raise TargetError(f"--target {path} is a file but not a .gguf file")
         return os.path.dirname(os.path.abspath(path)), os.path.basename(path)
     if os.path.exists(os.path.join(path, "config.json")):
         return path, None
     ggufs = sorted(glob.glob(os.path.join(path, "*.gguf")))
     if len(ggufs) == 1:
         return path, os.path.basename(ggufs[0])
-    raise TargetError(f"target {path} is not a model directory: no config.json"
+    raise TargetError(f"--target {path} is not a model directory: no config.json"
                       + (f" and {len(ggufs)} .gguf files (name one)" if ggufs else ""))
+
+
+# Files one of which a Hugging Face tokenizer is loaded from (without any, transformers 5 builds an empty tokenizer
+# of the model's class instead of failing: ids and chat template then come from nowhere).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                   "spiece.model", "sentencepiece.bpe.model")
+
+
+def check_target(path: str) -> None:
+    """What can be told of a target without loading it, so that a damaged one fails in the first second naming the
+    file: a model directory's config.json is a JSON model config (it has a model_type), its weight files are there
+    (every file of a sharded index) and whole (a safetensors file as long as its header says), and it has tokenizer
+    files. A .gguf file holds all of these (its reader checks them as it loads)."""
+    from dflash.core.weights import WeightsError, safetensors_extents, weight_files
+
+    d, gguf = resolve_target(path)
+    if gguf:
+        return
+    config = os.path.join(d, "config.json")
+    try:
+        with open(config, "rb") as f:
+            doc = json.loads(f.read())
+    except OSError as e:
+        raise TargetError(f"--target {path}: cannot read {config}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise TargetError(f"--target {path}: {config} is not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or "model_type" not in doc:
+        raise TargetError(f"--target {path}: {config} is not a model config (no model_type in it)")
+    try:
+        kind, files = weight_files(d)
+        for file in files:
+            if not os.path.isfile(file):
+                raise TargetError(f"--target {path}: weight file {os.path.basename(file)} is missing (named in its index)")
+            if kind == "safetensors":
+                size = os.path.getsize(file)
+                ends = [e.offset + e.size for e in safetensors_extents(file)]
+                if max(ends, default=0) > size:
+                    raise TargetError(f"--target {path}: {os.path.basename(file)} is cut short ({size:,} bytes, its "
+                                      f"header describes {max(ends):,}): copy or download it again")
+    except WeightsError as e:
+        said = str(e).removeprefix(f"target {d} ")  # weight_files names the target itself
+        raise TargetError(f"--target {path} {said}" if said != str(e) else f"--target {path}: {said}") from None
+    if not any(os.path.exists(os.path.join(d, name)) for name in TOKENIZER_FILES):
+        raise TargetError(f"--target {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy them "
+                          "from where the model came from")
 
 
 _gguf_memo_active = False  # inside gguf_read_once(): an inner use shares the outer memo
@@ -103,7 +151,7 @@ def load_config(path: str):
                 return AutoConfig.from_pretrained(d, gguf_file=gguf)
         return AutoConfig.from_pretrained(d)
     except Exception as e:  # noqa: BLE001
-        raise TargetError(f"cannot read the model config of {path}: {e}") from e
+        raise TargetError(f"--target {path}: cannot read its model config: {e}") from e
 
 
 def load_tokenizer(path: str):
@@ -116,7 +164,7 @@ def load_tokenizer(path: str):
                 return AutoTokenizer.from_pretrained(d, gguf_file=gguf)
         return AutoTokenizer.from_pretrained(d)
     except Exception as e:  # noqa: BLE001
-        raise TargetError(f"cannot load the tokenizer of {path}: {e}") from e
+        raise TargetError(f"--target {path}: cannot load its tokenizer: {e}") from e
 
 
 def text_config(cfg):
@@ -192,14 +240,14 @@ def _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_he
             model.tie_weights()
             missing = [k for k in missing if not (k == "lm_head.weight" and text_config(cfg).tie_word_embeddings)]
             if missing:
-                raise TargetError(f"GGUF {gguf} lacks weights {missing[:5]}")
+                raise TargetError(f"--target {path}: GGUF {gguf} lacks weights {missing[:5]}")
             if not with_head:
                 model = model.model
             model = model.to(dtype)
     except TargetError:
         raise
     except Exception as e:  # noqa: BLE001
-        raise TargetError(f"cannot load the target model {path}: {e}") from e
+        raise TargetError(f"--target {path}: cannot load the model: {e}") from e
     return model.to(device).eval().requires_grad_(False)
 
 
