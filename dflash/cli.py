@@ -22,9 +22,11 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
     check_paths,
     known_errors,
     option,
+    refuse_gpus_under_torchrun,
     relaunch_with_gpus,
 )
 from dflash.core.config import build, parse_int_list, parse_kv
+from dflash.core.paths import check_cache_path, check_output_dir
 from dflash.demo import CPU_SIZES, DemoConfig, run_demo
 from dflash_cache.lock import OutputLock
 
@@ -45,6 +47,13 @@ def main():
 @main.group()
 def cache():
     """Inspect and check a hidden-state cache."""
+
+
+def check_target(path: str) -> None:
+    """dflash.core.target.check_target (imported here: it loads torch, which `dflash --help` never does)."""
+    from dflash.core.target import check_target as check
+
+    check(path)
 
 
 def _human(n: float) -> str:
@@ -90,7 +99,7 @@ def cache_info(path, as_json):
 
 @cache.command("verify")
 @click.argument("path")
-@click.option("--threads", default=4, show_default=True, help="Decoding threads.")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(min=1), help="Decoding threads.")
 @click.option("--repair", is_flag=True, help="Rewrite damaged metadata from its record, and un-commit every bad shard "
               "so that rerunning the same `dflash extract` redoes them.")
 def cache_verify(path, threads, repair):
@@ -180,16 +189,18 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 5 -m dflash extract ...   (or --gpus 0,1,2,3,4)
     """
-    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
-                data=flags.get("data"), target=flags.get("target"))
-    relaunch_with_gpus(gpus, "extract")
+    refuse_gpus_under_torchrun(gpus)
     from dflash.extract.run import ExtractConfig, run_extract
 
     if no_progress:
         flags["progress"] = False
     flags["layers"] = parse_int_list(flags["layers"], "layers")
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
-    cfg = build(ExtractConfig, preset, "extract", flags)
+    cfg = build(ExtractConfig, preset, "extract", flags)  # before --gpus: a bad setting fails once, not in every rank
+    check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, tokenize_cache=cfg.tokenize_cache,
+                data=cfg.data, target=cfg.target)
+    check_target(cfg.target)
+    relaunch_with_gpus(gpus, "extract")
     summary = run_extract(cfg)
     if json_out:
         from dflash.core.dist import write_json0
@@ -260,13 +271,18 @@ def train(preset, gpus, no_progress, **flags):
     \b
     Multi-GPU:  torchrun --nproc-per-node 3 -m dflash train ...   (or --gpus 5,6,7)
     """
-    check_paths(out=flags.get("out"))
-    relaunch_with_gpus(gpus, "train")
+    refuse_gpus_under_torchrun(gpus)
     from dflash.train.trainer import TrainConfig, run_train
 
     if no_progress:
         flags["progress"] = False
-    cfg = build(TrainConfig, preset, "train", flags)
+    cfg = build(TrainConfig, preset, "train", flags)  # before --gpus: a bad setting fails once, not in every rank
+    check_paths(out=cfg.out, read={"target": cfg.target})
+    if not cfg.follow:  # --follow: the cache may not exist yet
+        check_cache_path(cfg.cache, "cache")
+    check_cache_path(cfg.val_cache, "val_cache")
+    check_target(cfg.target)
+    relaunch_with_gpus(gpus, "train")
     run_train(cfg)
 
 
@@ -326,13 +342,14 @@ def eval_cmd(preset, no_progress, **flags):
 
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
     """
-    check_paths(json=flags.get("json_out"), plot=flags.get("plot"))
     from dflash.train.eval import EvalConfig, format_report, run_eval
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
         flags["progress"] = False
     cfg = build(EvalConfig, preset, "eval", flags)
+    check_paths(json=cfg.json_out, plot=cfg.plot, read={"target": cfg.target, "drafter": cfg.drafter, "data": cfg.data})
+    check_target(cfg.target)
     click.echo(format_report(run_eval(cfg)))
 
 
@@ -381,15 +398,16 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     Then:       dflash extract --data OUT ...
     Multi-GPU:  torchrun --nproc-per-node 4 -m dflash regenerate ...   (or --gpus 0,1,2,3)
     """
-    check_paths(json=json_out, chat_template=flags.get("chat_template"), out=flags.get("out"),
-                data=flags.get("data"), target=flags.get("target"))
-    relaunch_with_gpus(gpus, "regenerate")
+    refuse_gpus_under_torchrun(gpus)
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
         flags["progress"] = False
-    cfg = build(RegenerateConfig, preset, "regenerate", flags)
+    cfg = build(RegenerateConfig, preset, "regenerate", flags)  # before --gpus: a bad setting fails once
+    check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, data=cfg.data, target=cfg.target)
+    check_target(cfg.target)
+    relaunch_with_gpus(gpus, "regenerate")
     summary = run_regenerate(cfg)
     if json_out:
         from dflash.core.dist import write_json0
@@ -420,6 +438,7 @@ def demo(no_progress, **kw):
     recipe (configs/demo-gpu.yaml: every user turn of chitchat, a 4-layer block-16 drafter) about 17 on
     one H200 (17 min 23 s from nothing, measured). Rerun to resume.
     """
+    check_output_dir(kw.get("workdir"), "workdir")
     run_demo(DemoConfig(**kw, progress=not no_progress))
 
 

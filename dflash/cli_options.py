@@ -12,44 +12,72 @@ import click
 
 import dflash_cache
 from dflash.core.errors import DflashError
-from dflash.core.paths import check_apart, check_input_file, check_output_dir, check_output_file
+from dflash.core.paths import check_apart, check_input_path, check_output_dir, check_output_file
 
 
 class CleanErrors(click.Group):
-    """Known errors (bad input, bad cache) print one clear line and exit 2, never a deep traceback."""
+    """Known errors (bad input, bad cache) print one clear line and exit 2, never a deep traceback. click's own usage
+    errors (a value of the wrong type, an unknown option or command) are such a line too, followed by where --help is.
+    Anything else is a bug and keeps its traceback."""
 
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
-        except known_errors() as e:
-            click.echo(f"error: {e}", err=True)
+        except click.UsageError as e:
+            click.echo(f"error: {one_line(e.format_message())}", err=True)
+            if e.ctx is not None:
+                click.echo(f"(see `{e.ctx.command_path} --help`)", err=True)
             sys.exit(2)
+        except known_errors() as e:
+            click.echo(f"error: {one_line(str(e))}", err=True)
+            sys.exit(2)
+
+
+def one_line(message: str) -> str:
+    """A message on one line (a library's multi-line reason joined with ' | ')."""
+    return " | ".join(part.strip() for part in message.splitlines() if part.strip())
 
 
 def known_errors() -> tuple[type[Exception], ...]:
     return (dflash_cache.CacheError, DflashError)
 
 
-def check_paths(json=None, plot=None, chat_template=None, out=None, **inputs) -> None:
-    """Every path a command will write (or must read) is checked before the work starts; `inputs` (data, target)
-    must lie outside --out."""
+# what each input flag must be (dflash.core.paths.check_input_path): a directory, a file, or either
+INPUT_KINDS = {"cache": "dir", "val_cache": "dir", "drafter": "dir", "chat_template": "file"}
+
+
+def check_paths(json=None, plot=None, chat_template=None, out=None, tokenize_cache=None, read=None, **inputs) -> None:
+    """Every path a command will write or read is checked before the work starts (dflash.core.paths): outputs
+    (json, plot: files; out, tokenize_cache: directories) can be written, inputs exist and can be read (`read` and
+    `inputs`: flag -> path), and `inputs` (data, target) lie outside --out."""
 
     check_output_file(json, "json")
     check_output_file(plot, "plot")
     if chat_template and "{" not in chat_template:  # a file name (a template's text holds Jinja braces)
-        check_input_file(chat_template, "chat_template")
+        check_input_path(chat_template, "chat_template", "file")
+    for name, path in {**inputs, **(read or {})}.items():
+        check_input_path(path, name, INPUT_KINDS.get(name, "any"))
     check_output_dir(out, "out")
+    if tokenize_cache and tokenize_cache != "off":
+        check_output_dir(tokenize_cache, "tokenize_cache")
     check_apart(out, **inputs)
+
+
+def refuse_gpus_under_torchrun(gpus: str | None) -> None:
+    """--gpus inside a process torchrun started is a usage error (checked first: nothing else matters then)."""
+    from dflash.core.dist import under_torchrun
+
+    if gpus and under_torchrun():
+        raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
 
 
 def relaunch_with_gpus(gpus: str | None, command: str) -> bool:
     """The --gpus convenience: re-run this command under torchrun on those GPUs (returns True if it did)."""
     if not gpus:
         return False
-    from dflash.core.dist import launch_torchrun, under_torchrun
+    from dflash.core.dist import launch_torchrun
 
-    if under_torchrun():
-        raise click.UsageError("--gpus cannot be used under torchrun (torchrun already chose the GPUs)")
+    refuse_gpus_under_torchrun(gpus)
     sys.exit(launch_torchrun("dflash", argv_without_gpus(sys.argv[1:]), gpus))
 
 

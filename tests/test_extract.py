@@ -574,11 +574,11 @@ def test_clear_errors(cli, work, targets, data_path, case):
     tgt, data = targets["qwen3"], data_path
     extra, want = [], []
     if case == "missing-target":
-        tgt, want = work / "nope", ["target model not found", str(work / "nope")]
+        tgt, want = work / "nope", ["--target", str(work / "nope"), "no such file"]
     elif case == "no-config":
         tgt, want = work / "not-a-model", ["not a model directory", "config.json", "not-a-model"]
     elif case == "missing-data":
-        data, want = work / "nope.jsonl", ["data path", "nope.jsonl", "does not exist"]
+        data, want = work / "nope.jsonl", ["--data", "nope.jsonl", "no such file"]
     elif case == "no-chat-template":
         tgt, want = _no_template_target(work, targets), ["no chat template", "--chat-template"]
     elif case == "empty-data":

@@ -3,6 +3,14 @@
 An output file such as --json is written after a job that may take days: a directory in its place, or a
 parent directory that does not exist, must fail in the first second, not at the end. fsspec URLs
 (`s3://...`) are not checked here (their stores say what is wrong when they are written).
+
+What is checked (each a ConfigError naming the flag and the path):
+- an input (check_input_path: --target, --data, --cache, --drafter, --chat-template): it exists (a dangling
+  symlink is named as one), is a file or a directory as the flag needs, and can be read;
+- an output directory (check_output_dir: --out, --tokenize-cache, --workdir): not a file, not a dangling symlink,
+  and writable, or creatable: its nearest existing ancestor is a writable directory (a read-only filesystem
+  or a directory without write permission fails here, not at the first write);
+- an output file (check_output_file: --json, --plot): not a directory, in a writable directory that exists.
 """
 
 from __future__ import annotations
@@ -26,26 +34,84 @@ def check_output_file(path: str | None, name: str) -> None:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ConfigError(f"{flag(name)} {path}: directory {parent} does not exist (create it first)")
-    if not os.access(parent, os.W_OK):
-        raise ConfigError(f"{flag(name)} {path}: directory {parent} is not writable")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag(name)} {path}: directory {parent} is not writable ({_why_not_writable(parent)})")
+
+
+def _dangling(path: str) -> bool:
+    return os.path.islink(path) and not os.path.exists(path)
+
+
+def _dangling_message(path: str, name: str) -> str:
+    return f"{flag(name)} {path} is a dangling symlink (to {os.readlink(path)}, which does not exist)"
 
 
 def check_input_file(path: str | None, name: str) -> None:
     """A file that must exist (--chat-template FILE)."""
-    if not path or is_url(path):
+    check_input_path(path, name, kind="file")
+
+
+def check_input_path(path: str | None, name: str, kind: str = "any") -> None:
+    """An input that must exist and be readable; kind "file" or "dir" when the flag takes only one of them. A glob
+    (--data 'parts/*.jsonl') and a URL are left to the reader."""
+    if not path or is_url(path) or any(c in str(path) for c in "*?["):
         return
+    path = str(path)
+    if _dangling(path):
+        raise ConfigError(_dangling_message(path, name))
     if not os.path.exists(path):
-        raise ConfigError(f"{flag(name)} {path}: no such file")
-    if os.path.isdir(path):
+        raise ConfigError(f"{flag(name)} {path}: no such " + {"file": "file", "dir": "directory"}.get(kind, "file or directory"))
+    is_dir = os.path.isdir(path)
+    if kind == "file" and is_dir:
         raise ConfigError(f"{flag(name)} {path} is a directory, not a file")
+    if kind == "dir" and not is_dir:
+        raise ConfigError(f"{flag(name)} {path} is a file, not a directory")
+    if not os.access(path, os.R_OK | (os.X_OK if is_dir else 0)):
+        raise ConfigError(f"{flag(name)} {path}: permission denied (this user cannot read it)")
+
+
+def check_cache_path(path: str | None, name: str) -> None:
+    """A cache a command reads (--cache, --val-cache): a readable directory holding a zarr hierarchy (zarr.json).
+    What the hierarchy holds is dflash_cache's to check."""
+    check_input_path(path, name, kind="dir")
+    if path and not is_url(path) and not os.path.isfile(os.path.join(path, "zarr.json")):
+        raise ConfigError(f"{flag(name)} {path} is not a dflash cache (no zarr.json in it): give a directory written by "
+                          "`dflash extract --out`")
 
 
 def check_output_dir(path: str | None, name: str) -> None:
-    """A directory that will be created or reused (--out): not an existing file."""
+    """A directory that will be created or reused (--out): not an existing file, not a dangling symlink, and
+    writable (an existing one) or creatable (its nearest existing ancestor a writable directory)."""
     if not path or is_url(path):
         return
-    if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError(f"{flag(name)} {path} is an existing file, not a directory")
+    path = str(path)
+    if _dangling(path):
+        raise ConfigError(_dangling_message(path, name))
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(f"{flag(name)} {path} is an existing file, not a directory")
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise ConfigError(f"{flag(name)} {path} is not writable ({_why_not_writable(path)})")
+        return
+    ancestor = os.path.dirname(os.path.abspath(path))
+    while not os.path.lexists(ancestor):
+        ancestor = os.path.dirname(ancestor)
+    if _dangling(ancestor):
+        raise ConfigError(f"{flag(name)} {path}: {ancestor} is a dangling symlink (to {os.readlink(ancestor)})")
+    if not os.path.isdir(ancestor):
+        raise ConfigError(f"{flag(name)} {path}: {ancestor} is a file, not a directory")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag(name)} {path}: cannot create it, {ancestor} is not writable "
+                          f"({_why_not_writable(ancestor)})")
+
+
+def _why_not_writable(path: str) -> str:
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return "a read-only filesystem"
+    except OSError:
+        pass
+    return "no write permission for this user"
 
 
 def real(path: str) -> str:
