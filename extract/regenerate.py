@@ -344,11 +344,17 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         eng.add(Request(ids, cfg.max_new_tokens, key=(p, c), rng_key=rng_key(seed, c.row, c.next),
                         priority=(p, -len(ids), c.row)))
 
-    bar = progress.bar(show, total=total, unit="conv", desc="regenerate", smoothing=0.1)
+    # The bar counts the token budget, max_new_tokens per assistant turn to write: every generated token, and a
+    # turn's unused budget when it ends. Its rate is steady under batching, where conversations end in waves (a bar
+    # of conversations waits minutes for the first one and once showed a 6-hour ETA for a 5-minute stage).
+    turns = sum(len(c.turns) for st in parts.values() for c in st["convs"])
+    convs = sum(len(st["convs"]) for st in parts.values())
+    bar = progress.bar(show, total=turns * cfg.max_new_tokens, unit="tok", unit_scale=True, desc="regenerate")
     queue = list(todo)
     t0 = time.perf_counter()
-    gen0 = eng.generated
+    gen0 = seen = eng.generated
     last_post = 0.0
+    ended = 0
 
     def commit(p: int) -> None:
         st = parts.pop(p)
@@ -357,7 +363,6 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
     def open_part() -> None:
         p = queue.pop(0)
         st = parts[p]
-        bar.update(st["stats"]["rows"] - len(st["convs"]))  # skipped rows are done already
         if not st["convs"]:
             commit(p)
             return
@@ -370,7 +375,10 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                 open_part()
             if not eng.busy:
                 break
-            for res in eng.step():
+            results = eng.step()
+            bar.update(eng.generated - seen + sum(max(0, cfg.max_new_tokens - r.generated) for r in results))
+            seen = eng.generated
+            for res in results:
                 p, c = res.key
                 st = parts[p]["stats"]
                 text = tokenizer.decode(res.tokens, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -388,14 +396,14 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                         submit(p, c)
                     continue
                 st["conversations"] += 1
-                bar.update(1)
+                ended += 1
                 parts[p]["left"] -= 1
                 if parts[p]["left"] == 0:
                     commit(p)
             now = time.perf_counter()
-            if show and now - last_post > 1.0:
-                bar.set_postfix_str(f"{(eng.generated - gen0) / max(now - t0, 1e-9):,.0f} tok/s, "
-                                    f"batch {len(eng.rows)}", refresh=False)
+            if show and (now - last_post > 1.0 or not eng.busy):
+                bar.set_postfix_str(f"{ended}/{convs} conv, {(eng.generated - gen0) / max(now - t0, 1e-9):,.0f} "
+                                    f"tok/s, batch {len(eng.rows)}", refresh=False)
                 last_post = now
     finally:
         bar.close()

@@ -284,7 +284,7 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     copied: list[torch.cuda.Event | None] = [None] * len(gbufs)
     pending: list[tuple[int, int, dict, Any]] = []  # (shard, slot, arrays, event of its last copy)
     total = sum(len(docs[d][0]) for s in todo for r in _row_range(spec, s) for d in plan[r])
-    bar = progress.bar(show, total=total, unit="tok", unit_scale=True, desc="extract", smoothing=0.05)
+    bar = progress.bar(show, total=total, unit="tok", unit_scale=True, desc="extract")  # ETA timed after batch 1
     done = 0
     nbatch = 0
 
