@@ -455,9 +455,15 @@ def _run_train(cfg: TrainConfig) -> dict[str, Any]:
     out = tr.train()
     if out["history"]:
         last = out["history"][-1]
+        # the rate of the last logged window (a run mean over the windows after the first is what `dflash demo`
+        # reports); the drafter's path as this command names it (a finished run's summary holds its first run's)
+        since = out["history"][-2]["step"] if len(out["history"]) > 1 else (
+            out["steps"] - out["steps_this_run"] if out["steps_this_run"] else None)  # None: a replayed single window
+        window = f"last window, steps {since + 1}-{last['step']}" if since is not None else "last window"
         print0(f"train: step {out['steps']}: loss {last['loss']:.4f}, expected tau {last['tau_expected']:.2f}, "
-               f"{last['ctx_tokens_per_s']:,.0f} ctx tok/s, data wait {100 * out['data_wait_frac']:.1f}%, "
-               f"recompiles after warm-up {out['recompiles_after_warmup']}; drafter -> {out['final']}")
+               f"{last['ctx_tokens_per_s']:,.0f} ctx tok/s ({window}), data wait "
+               f"{100 * out['data_wait_frac']:.1f}%, recompiles after warm-up {out['recompiles_after_warmup']}; "
+               f"drafter -> {os.path.join(cfg.out, 'final')}")
         if out["val"]:
             v = out["val"]
             print0(f"train: held-out (--val-cache, {v['val_rows']} rows, step {v['step']}): loss {v['val_loss']:.4f}, "
