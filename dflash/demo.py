@@ -7,6 +7,10 @@ held out for evaluation. Steps, each resumed if the demo is rerun:
 
     prepare target -> prompts -> regenerate responses with the target (the DFlash recipe)
     -> extract hidden states -> train a small drafter -> eval (DFlash vs n-gram vs target alone)
+
+Each stage prints its line with its expected share of the time as it starts (CPU_STAGE_SECONDS); a rerun of a
+finished demo prints the stored result and changes nothing; every file is under the workdir, the tokenise, datasets
+and matplotlib caches in WORKDIR/caches (dflash/demo_stages.py).
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from typing import Any
 
 import dflash_cache
 from dflash.core.config import ConfigError, check
-from dflash.core.io import atomic_jsonl
+from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.demo_assets import chitchat_json, smollm2_gguf  # noqa: F401  (also imported from here by bench/)
 from dflash.demo_gpu import PRESET, run_gpu_demo
-
-
+from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
 
 CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
+# Seconds of each stage of the CPU recipe at CPU_SIZES and the default settings, measured on an idle 2-core CPU
+# (2026-12-01, 8 min 15 s in all). On another machine every stage scales about alike (all are CPU-bound: the core
+# count and their speed, and whatever else runs on them); what is shown is each stage's share of the whole.
+CPU_STAGE_SECONDS = {"prepare target": 19.0, "regenerate": 105.0, "extract": 55.0, "train": 210.0, "eval": 102.0}
 
 
 @dataclass
@@ -136,39 +143,99 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     return run_cpu_demo(cfg.cpu())
 
 
+def cpu_stage_plan(cfg: DemoConfig) -> StagePlan:
+    """The CPU recipe's stages for cfg, with CPU_STAGE_SECONDS scaled by the work cfg asks for against the defaults
+    (prompts and tokens to regenerate, prompts to extract, steps x rows to train, prompts x tokens to evaluate)."""
+    ref, base = CPU_STAGE_SECONDS, DemoConfig()
+    prompts = cfg.train_prompts / CPU_SIZES["train_prompts"]
+    secs = {"prepare target": ref["prepare target"]}
+    if cfg.responses == "regenerate":
+        secs["regenerate"] = ref["regenerate"] * prompts * cfg.regen_max_new_tokens / base.regen_max_new_tokens
+    secs["extract"] = ref["extract"] * prompts
+    secs["train"] = ref["train"] * cfg.train_steps / CPU_SIZES["train_steps"] * cfg.batch_rows / base.batch_rows
+    secs["eval"] = ref["eval"] * (cfg.eval_prompts / CPU_SIZES["eval_prompts"]
+                                  * cfg.eval_max_new_tokens / base.eval_max_new_tokens)
+    return StagePlan(secs)
+
+
+def cpu_settings(cfg: DemoConfig) -> dict[str, Any]:
+    """The settings that make a CPU demo's result (cfg without where it runs and how it shows progress): a rerun with
+    the same ones finds its result stored."""
+    return {k: v for k, v in asdict(cfg).items() if k not in ("workdir", "progress")}
+
+
+def cpu_paths(workdir: str, responses: str) -> dict[str, str]:
+    """Where the CPU recipe writes (every file of the demo is under its workdir)."""
+    j = lambda *p: os.path.join(workdir, *p)  # noqa: E731
+    return {"target": j("target"), "regenerated": j("regenerated"), "cache": j(f"cache-{responses}"),
+            "run": j(f"run-{responses}"), "eval": j(f"eval-{responses}.json"), "plot": j(f"acceptance-{responses}.png"),
+            "summary": j(f"summary-{responses}.json")}
+
+
 def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """The CPU recipe (module docstring). A rerun that finds the summary of a finished run with the same settings
+    prints the stored tables and writes nothing; otherwise each stage is skipped or resumed where it is done."""
+    from dataclasses import replace
+
+    cfg = replace(cfg, workdir=os.path.abspath(cfg.workdir))  # every path the stages print is absolute
+    paths = cpu_paths(cfg.workdir, cfg.responses)
+    stored = stored_result(paths["summary"], cpu_settings(cfg), "settings", [paths["eval"]])
+    if stored is not None:
+        from dflash.train.eval import format_report
+
+        summary, (ev,) = stored
+        show_stored("demo", paths["summary"], summary, cfg.workdir)
+        print()
+        print(format_report(ev))
+        print()
+        print(format_summary(summary))
+        return summary
+    os.makedirs(cfg.workdir, exist_ok=True)
+    with caches_under(cfg.workdir) as tokenize_cache:
+        return _run_cpu_stages(cfg, paths, tokenize_cache)
+
+
+def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str) -> dict[str, Any]:
     # the stages and dflash.core.target load torch: imported here, so that `dflash --help` (which imports this
     # module for CPU_SIZES) starts without it
     from dflash.extract.run import ExtractConfig, run_extract
     from dflash.core.target import convert_gguf
     from dflash.train.eval import EvalConfig, format_report, run_eval
+    from dflash.train.run_dir import read_metrics
     from dflash.train.trainer import TrainConfig, run_train
 
-    os.makedirs(cfg.workdir, exist_ok=True)
+    plan = cpu_stage_plan(cfg)
+    print(f"demo: the CPU recipe in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on an "
+          "idle 2-core CPU; longer with fewer or slower cores or other work on the machine (each stage's progress "
+          "bar gives its ETA)", flush=True)
     timings: dict[str, float] = {}
+    plan.start("prepare target")
     t = time.perf_counter()
-    target = convert_gguf(smollm2_gguf(), os.path.join(cfg.workdir, "target"))
+    target = convert_gguf(smollm2_gguf(), paths["target"])
+    train_jsonl, held = prepare_data(cfg)
     timings["prepare target"] = time.perf_counter() - t
     print(f"demo: target SmolLM2-135M-Instruct -> {target}", flush=True)
 
-    train_jsonl, held = prepare_data(cfg)
     data = train_jsonl
     if cfg.responses == "regenerate":
+        plan.start("regenerate")
         t = time.perf_counter()
         data = _regenerate(cfg, target, train_jsonl)
         timings["regenerate"] = time.perf_counter() - t
 
-    cache = os.path.join(cfg.workdir, f"cache-{cfg.responses}")
+    cache = paths["cache"]
+    plan.start("extract")
     t = time.perf_counter()
     ex = run_extract(ExtractConfig(target=target, data=data, out=cache, seq_len=cfg.seq_len, device=cfg.device,
-                                   progress=cfg.progress))
+                                   tokenize_cache=tokenize_cache, progress=cfg.progress))
     timings["extract"] = time.perf_counter() - t
     info = dflash_cache.info(cache)
 
-    run = os.path.join(cfg.workdir, f"run-{cfg.responses}")
+    run = paths["run"]
     batch_rows = min(cfg.batch_rows, info["rows"])  # a small --train-prompts packs into fewer rows than a batch
     if batch_rows < cfg.batch_rows:
         print(f"demo: the cache has {info['rows']} rows: training on batches of {batch_rows} rows", flush=True)
+    plan.start("train")
     t = time.perf_counter()
     tr = run_train(TrainConfig(cache=cache, target=target, out=run, drafter_layers=cfg.drafter_layers,
                                block_size=cfg.block_size, num_anchors=cfg.num_anchors, batch_rows=batch_rows,
@@ -176,23 +243,24 @@ def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
                                save_every=max(20, cfg.train_steps // 4), device=cfg.device, progress=cfg.progress))
     timings["train"] = time.perf_counter() - t
 
+    plan.start("eval")
     t = time.perf_counter()
     ev = run_eval(EvalConfig(target=target, drafter=os.path.join(run, "final"), data=held,
-                             max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device,
-                             json_out=os.path.join(cfg.workdir, f"eval-{cfg.responses}.json"),
-                             plot=os.path.join(cfg.workdir, f"acceptance-{cfg.responses}.png"), progress=cfg.progress))
+                             max_new_tokens=cfg.eval_max_new_tokens, device=cfg.device, json_out=paths["eval"],
+                             plot=paths["plot"], progress=cfg.progress))
     timings["eval"] = time.perf_counter() - t
 
-    hist = tr.get("history") or []
+    hist = read_metrics(run) or tr.get("history") or []  # every logged window of the run, across resumes
     last = hist[-1] if hist else {}
-    train_tps = [h["ctx_tokens_per_s"] for h in hist[1:]] or [h["ctx_tokens_per_s"] for h in hist]
     summary = {
         "config": asdict(cfg),
+        "settings": cpu_settings(cfg),  # what a rerun compares to find this result stored
+        "finished_at": now_stamp(),
         "tokens_extracted": info["real_tokens"],
         "cache_bytes": info["bytes_on_disk"],
         "cache_bytes_per_token": info["bytes_per_real_token"],
         "extract_tokens_per_s": ex["tokens_per_s_this_rank"] if ex["tokens_this_rank"] else None,
-        "train_tokens_per_s": sum(train_tps) / len(train_tps) if train_tps else None,
+        **train_rates(hist),
         "final_loss": last.get("loss"),
         "train_expected_tau": last.get("tau_expected"),
         "tau_dflash": ev["dflash"]["tau"],
@@ -204,8 +272,7 @@ def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
         "timings_s": timings,
         "plot": ev.get("plot"),
     }
-    with open(os.path.join(cfg.workdir, f"summary-{cfg.responses}.json"), "w") as f:
-        json.dump(summary, f, indent=2)
+    atomic_json(paths["summary"], summary)
     print()
     print(format_report(ev))
     print()
@@ -222,13 +289,27 @@ def _regenerate(cfg: DemoConfig, target: str, data: str) -> str:
     return out
 
 
+def _train_rate(s: dict[str, Any]) -> str:
+    """The run mean of training's ctx tok/s and, when it differs, the last window's (train's own last line)."""
+    mean, steps = s.get("train_tokens_per_s"), s.get("train_tokens_per_s_steps")
+    if not mean:
+        return "resumed"
+    if not steps:  # a summary written before the figures were named
+        return f"{mean:,.0f} ctx tok/s"
+    out = f"{mean:,.0f} ctx tok/s (run mean, steps {steps[0]}-{steps[1]}"
+    last, lsteps = s.get("train_tokens_per_s_last_window"), s.get("train_last_window_steps")
+    if last and lsteps and lsteps != steps:
+        out += f"; last window, steps {lsteps[0]}-{lsteps[1]}: {last:,.0f}"
+    return out + ")"
+
+
 def format_summary(s: dict[str, Any]) -> str:
     rows = [
         ("responses trained on", s["config"]["responses"]),
         ("tokens extracted", f"{s['tokens_extracted']:,}"),
         ("cache size", f"{_human_bytes(s['cache_bytes'])} ({s['cache_bytes_per_token']:,.0f} bytes/token)"),
         ("extraction", f"{s['extract_tokens_per_s']:,.0f} tok/s" if s["extract_tokens_per_s"] else "resumed (cached)"),
-        ("training", f"{s['train_tokens_per_s']:,.0f} ctx tok/s" if s["train_tokens_per_s"] else "resumed"),
+        ("training", _train_rate(s)),
         ("final loss", f"{s['final_loss']:.3f}" if s["final_loss"] is not None else "-"),
         ("tau: dflash drafter", f"{s['tau_dflash']:.2f}"),
         ("tau: n-gram lookup", f"{s['tau_ngram']:.2f}"),

@@ -22,8 +22,11 @@ into the same workdir:
     -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
 
 Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json, regenerated/, regenerated-valid/,
-cache/, cache-valid/, run/, eval-bfloat16.json, eval-float32.json, summary.json (the JSON summary, with the bars
-checked), time.json (the wall time of every run on the workdir: the time from nothing across resumes).
+cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json), summary.json (the JSON summary, with the
+bars checked), time.json (the wall time of every run on the workdir: the time from nothing across resumes), caches/
+(the tokenise, datasets and matplotlib caches: nothing is written outside the workdir). Each stage prints its line
+with its expected share of the time as it starts; a rerun of a finished demo prints the stored result and changes
+nothing (dflash/demo_stages.py).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from typing import Any
 from dflash.core.config import ConfigError, build, check, read_preset
 from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.demo_assets import smollm2_gguf
+from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
 from dflash.demo_sources import SOURCES, Conversation, as_messages, dialogues, load_source  # noqa: F401
 
 PRESET = "demo-gpu"
@@ -356,16 +360,21 @@ def load_recipe(preset: str = PRESET) -> GpuRecipe:
 
 
 def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
-            target: str | None = None, timings: dict | None = None) -> Prepared:
+            target: str | None = None, timings: dict | None = None, stages: StagePlan | None = None,
+            tokenize_cache: str | None = None) -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
     target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape); timings: the
-    dict each stage's seconds go into as it ends (a new one by default)."""
+    dict each stage's seconds go into as it ends (a new one by default); stages: prints each stage's line as it
+    starts; tokenize_cache: extract's --tokenize-cache (None: its default)."""
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
     recipe = load_recipe(preset)
     os.makedirs(workdir, exist_ok=True)
     timings = timings if timings is not None else {}
+    start = stages.start if stages is not None else (lambda name: None)
+    tok = {"tokenize_cache": tokenize_cache} if tokenize_cache else {}
+    start("prepare target")
     t = time.perf_counter()
     if target is None:
         target = os.path.join(workdir, "target")
@@ -375,6 +384,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
 
             target = convert_gguf(smollm2_gguf(), target)
     timings["prepare target"] = time.perf_counter() - t
+    start("data")
     t = time.perf_counter()
     train_jsonl, held, counts, valid_jsonl = prepare_data(workdir, recipe)
     timings["data"] = time.perf_counter() - t
@@ -385,6 +395,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
           flush=True)
 
     regen_out = os.path.join(workdir, "regenerated")
+    start("regenerate")
     t = time.perf_counter()
     turns = {"turns": "last"} if recipe.history == "dataset" else {}
     regen = run_regenerate(build(RegenerateConfig, preset, "regenerate",
@@ -393,12 +404,15 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     timings["regenerate"] = time.perf_counter() - t
 
     cache = os.path.join(workdir, "cache")
+    start("extract")
     t = time.perf_counter()
     ex = run_extract(build(ExtractConfig, preset, "extract",
-                           {"target": target, "data": regen_out, "out": cache, "device": device, "progress": progress}))
+                           {"target": target, "data": regen_out, "out": cache, "device": device, "progress": progress,
+                            **tok}))
     timings["extract"] = time.perf_counter() - t
     val_cache = None
     if recipe.validation:  # the held-out conversations through the same two stages: the trainer's --val-cache
+        start("validation data")
         t = time.perf_counter()
         regen_val = os.path.join(workdir, "regenerated-valid")
         run_regenerate(build(RegenerateConfig, preset, "regenerate",
@@ -406,7 +420,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
                               "progress": progress, **turns}))
         val_cache = os.path.join(workdir, "cache-valid")
         run_extract(build(ExtractConfig, preset, "extract", {"target": target, "data": regen_val, "out": val_cache,
-                                                             "device": device, "progress": progress}))
+                                                             "device": device, "progress": progress, **tok}))
         timings["validation data"] = time.perf_counter() - t
     return Prepared(target, held, cache, counts, timings, regen, ex, val_cache)
 
@@ -414,16 +428,19 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
 def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                    train_overrides: dict | None = None, eval_prompts: int | None = None,
                    eval_dtypes: list[str] | None = None, timings: dict | None = None,
-                   ngram: bool = True, eval_overrides: dict | None = None, eval_tag: str = "") -> dict[str, Any]:
+                   ngram: bool = True, eval_overrides: dict | None = None, eval_tag: str = "",
+                   stages: StagePlan | None = None) -> dict[str, Any]:
     """Train a drafter into `run` (resumed when rerun) and evaluate RUN/final once per dtype (RUN/eval-DTYPE.json,
     reused when newer than RUN/final; eval_tag names variants, e.g. eval-bfloat16-graph.json); n-gram lookup runs
-    in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph).
-    Returns {"train": summary, "eval": {dtype: report}}."""
+    in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph); stages: prints
+    each stage's line as it starts. Returns {"train": summary, "eval": {dtype: report}}."""
     from dflash.train.eval import EvalConfig, run_eval
     from dflash.train.trainer import TrainConfig, run_train
 
     recipe = load_recipe(preset)
     timings = timings if timings is not None else {}
+    start = stages.start if stages is not None else (lambda name: None)
+    start("train")
     t = time.perf_counter()
     base = {"cache": prep.cache, "target": prep.target, "out": run, "device": device, "progress": progress}
     if prep.val_cache:
@@ -439,6 +456,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
             with open(path) as f:
                 evals[dtype] = json.load(f)
             continue
+        start(f"eval {dtype}")
         t = time.perf_counter()
         evals[dtype] = run_eval(build(EvalConfig, preset, "eval", {
             "target": prep.target, "drafter": os.path.join(run, "final"), "data": prep.heldout,
@@ -528,26 +546,80 @@ def set_summary(g: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-02, the chitchat-only preset: 17 min 23 s
+# in all). What is shown is each stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 17.0, "data": 1.0, "regenerate": 182.0, "extract": 102.0, "validation data": 9.0,
+                     "train": 587.0, "eval bfloat16": 116.0, "eval float32": 28.0}
+
+
+def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
+    """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override)."""
+    recipe = load_recipe(preset)
+    ref = GPU_STAGE_SECONDS
+    secs = {k: ref[k] for k in ("prepare target", "data", "regenerate", "extract")}
+    if recipe.validation:
+        secs["validation data"] = ref["validation data"]
+    steps, preset_steps = (train_overrides or {}).get("max_steps"), read_preset(preset, "train").get("max_steps")
+    secs["train"] = ref["train"] * (steps / preset_steps if steps and preset_steps else 1.0)
+    for i, dtype in enumerate(recipe.eval_dtypes):
+        secs[f"eval {dtype}"] = ref.get(f"eval {dtype}", ref["eval bfloat16"] if i == 0 else ref["eval float32"])
+    return StagePlan(secs)
+
+
+def gpu_request(preset: str, device: str, target: str | None, train_overrides: dict | None,
+                eval_prompts: int | None) -> dict[str, Any]:
+    """What makes a GPU demo's result (the preset by name and content, and the arguments that change it): a rerun
+    with the same finds it stored."""
+    from dflash.core.config import resolve_preset
+
+    path = resolve_preset(preset)
+    data = open(path, "rb").read() if isinstance(path, str) else path.read_bytes()
+    return {"preset": preset, "preset_sha256": hashlib.sha256(data).hexdigest(), "device": device, "target": target,
+            "train_overrides": dict(train_overrides or {}), "eval_prompts": eval_prompts}
+
+
 def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                  target: str | None = None, train_overrides: dict | None = None,
                  eval_prompts: int | None = None) -> dict[str, Any]:
-    """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json."""
+    """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json. A rerun that finds the summary
+    of a finished run with the same request (gpu_request) and its eval reports prints them and writes nothing."""
     from dflash.train.eval import format_report
     from dflash.train.run_dir import read_metrics
 
+    workdir = os.path.abspath(workdir)  # every path the stages print is absolute
+    recipe = load_recipe(preset)
+    run, summary_path = os.path.join(workdir, "run"), os.path.join(workdir, "summary.json")
+    request = gpu_request(preset, device, target, train_overrides, eval_prompts)
+    stored = stored_result(summary_path, request, "request",
+                           [os.path.join(run, f"eval-{dtype}.json") for dtype in recipe.eval_dtypes])
+    if stored is not None:
+        summary, reports = stored
+        show_stored("demo", summary_path, summary, workdir,
+                    again=f"delete that file and {run}/eval-*.json to measure again")
+        print()
+        for ev in reports:
+            print(format_report(ev))
+            print()
+        print(format_summary(summary))
+        return summary
+    plan = gpu_stage_plan(preset, train_overrides)
+    print(f"demo: the GPU recipe ({preset}) in {len(plan.seconds)} stages, about "
+          f"{sum(plan.seconds.values()) / 60:.0f} min on one H200 (the chitchat-only preset); the first training "
+          "steps compile the step (minutes)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     clock = WorkTime(workdir, timings)
     try:
-        prep = prepare(workdir, preset, device, progress, target, timings)
-        out = train_and_eval(prep, os.path.join(workdir, "run"), preset, device, progress, train_overrides,
-                             eval_prompts, timings=timings)
+        with caches_under(workdir) as tokenize_cache:
+            prep = prepare(workdir, preset, device, progress, target, timings, stages=plan,
+                           tokenize_cache=tokenize_cache)
+            out = train_and_eval(prep, run, preset, device, progress, train_overrides, eval_prompts,
+                                 timings=timings, stages=plan)
     finally:
         clock.close()
     tr, evals = out["train"], out["eval"]
     hist = tr.get("history") or []
     last = hist[-1] if hist else {}
-    tps = [h["ctx_tokens_per_s"] for h in hist[1:]] or [h["ctx_tokens_per_s"] for h in hist]
     first = next(iter(evals.values()))
     # a resumed run's own figures cover only what it did: the earlier runs' come from the summary they left
     # (regeneration, extraction) and from RUN/metrics.jsonl (every logged window of the training, resumes cut it
@@ -559,12 +631,17 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         regen = old["regenerate"]
     ex_tps = (prep.extract or {}).get("tokens_per_s_this_rank") or old.get("extract_tokens_per_s")
     records = read_metrics(os.path.join(workdir, "run")) or hist
+    rates = train_rates(records)
     summary = {
-        "recipe": "gpu", "preset": preset, "target": prep.target, "data": prep.counts,
+        "recipe": "gpu", "preset": preset, "request": request, "finished_at": now_stamp(),
+        "target": prep.target, "data": prep.counts,
         "regenerate": regen,
         "extract_tokens_per_s": ex_tps,
         "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
-                  "ctx_tokens_per_s": sum(tps) / len(tps) if tps else None,
+                  # the run mean after the first window (the warm-up) and the last window, with their steps
+                  "ctx_tokens_per_s": rates["train_tokens_per_s"], "ctx_tokens_per_s_steps": rates[
+                      "train_tokens_per_s_steps"], "ctx_tokens_per_s_last_window": rates[
+                      "train_tokens_per_s_last_window"], "last_window_steps": rates["train_last_window_steps"],
                   "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"),
                   "val_tau_expected": (tr.get("val") or {}).get("val_tau_expected"),
                   "val_loss": (tr.get("val") or {}).get("val_loss"),
@@ -589,7 +666,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         "wall_s_all_runs": sum(r["wall_s"] for r in clock.runs),
     }
 
-    atomic_json(os.path.join(workdir, "summary.json"), summary)
+    atomic_json(summary_path, summary)
     print()
     for ev in evals.values():
         print(format_report(ev))

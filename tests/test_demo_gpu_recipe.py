@@ -221,7 +221,7 @@ eval:
 
 
 @pytest.mark.parametrize("history", ["target", "dataset"])
-def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path, history):
+def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path, history, capsys):
     """run_gpu_demo's stages on a tiny random target and a tiny copy of the preset: training data and the
     validation cache come from disjoint conversations, train validates on the latter at every checkpoint, and the
     summary carries its figures; a rerun resumes every stage. history "dataset": one sample per user turn, only
@@ -267,8 +267,19 @@ def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path,
 
     assert [r["stages_s"] for r in s["all_runs"]] == [{k: round(v, 1) for k, v in s["timings_s"].items()}]
 
+    # a rerun finds it finished: it prints the stored result and changes no file
+    files = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in work.rglob("*") if f.is_file()}
+    first = capsys.readouterr().out
+    assert "demo: [3/7] regenerate  (~" in first and "demo: [7/7] eval float32  (~" in first  # each stage's line
+    stored = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
+    assert stored == json.loads(json.dumps(s, default=str))
+    assert "demo: already done: the stored result of" in capsys.readouterr().out
+    assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in work.rglob("*") if f.is_file()} == files
+    assert any((work / "caches" / "datasets").rglob("*.arrow")) and any((work / "caches" / "tokenized").iterdir())
+    # without its eval report, a rerun resumes every stage (only the eval is left to do)
+    (work / "run" / "eval-float32.json").unlink()
     again = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
-    assert again["eval"] == s["eval"] and again["train"]["steps"] == 6
+    assert again["eval"]["float32"]["identical"] == s["eval"]["float32"]["identical"] and again["train"]["steps"] == 6
     # the rerun keeps the first run's figures (its own regenerated and trained nothing) and adds its time
     assert again["regenerate"] == s["regenerate"] and again["train"]["val_curve"] == t["val_curve"]
     assert len(again["all_runs"]) == 2 and again["all_runs"][0] == s["all_runs"][0]

@@ -219,14 +219,26 @@ def _demo_packages_missing() -> str | None:
 def test_demo_end_to_end_at_smoke_size(tmp_path):
     # the smallest size the demo accepts: 8 prompts pack into fewer rows than its 4-row batch (the demo then
     # trains on smaller batches; it used to fail with "--batch-rows 4 x 1 ranks needs at least 4 rows")
-    work = tmp_path / "demo"
-    p = subprocess.run([PY, "-m", "dflash", "demo", "--workdir", str(work), "--train-prompts", "8", "--eval-prompts",
-                        "1", "--train-steps", "2", "--drafter-layers", "1", "--device", "cpu"],
-                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900)
+    work, home = tmp_path / "demo", tmp_path / "home"
+    home.mkdir()
+    cmd = [PY, "-m", "dflash", "demo", "--workdir", str(work), "--train-prompts", "8", "--eval-prompts", "1",
+           "--train-steps", "2", "--drafter-layers", "1", "--device", "cpu"]
+    env = {k: v for k, v in _env(HOME=str(home)).items()
+           if k not in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "MPLCONFIGDIR",
+                        "DFLASH_TOKENIZE_CACHE")}
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    assert [str(x) for x in home.rglob("*")] == []  # every file of the demo is under its workdir
+    assert "demo: [3/5] extract  (~" in p.stdout
     s = json.loads((work / "summary-regenerate.json").read_text())
     assert s["eval_prompts"] == 1 and s["lossless"] == "1/1"  # speculative output = the target's own
     assert s["tokens_extracted"] > 0 and s["final_loss"] is not None and s["tau_dflash"] >= 1
     assert (work / "run-regenerate" / "final" / "model.safetensors").exists()
     assert dflash_cache.verify(str(work / "cache-regenerate")).ok
     assert "tau: dflash drafter" in p.stdout
+    # a rerun finds it done: the stored tables, no file changed
+    files = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in work.rglob("*") if f.is_file()}
+    again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0 and "demo: already done: the stored result of" in again.stdout, again.stderr[-3000:]
+    assert p.stdout.split("tau  tokens/s", 1)[1] in again.stdout  # the same tables
+    assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in work.rglob("*") if f.is_file()} == files

@@ -1,0 +1,275 @@
+"""What a newcomer meets in the first minutes, minus the demo's own run time (the demo end to end is in test_surfaces):
+
+  * progress bars give an honest ETA from the start: the rate behind it is timed after a warm-up (EtaRate), so slow
+    first units do not make it hours; regenerate's bar counts the token budget, which ends exactly at its total;
+  * every demo stage prints its place and expected share of the demo, scaled by the work asked for;
+  * a rerun of a finished demo prints the stored tables in seconds and changes no file; other settings rerun it;
+  * the caches the demo's stages would write under HOME (datasets, matplotlib) go under the workdir;
+  * train's last line names its rate (the last window and its steps) and the drafter's path as this command names
+    it, also when a finished run's summary is replayed; the demo summary names the run mean and the last window.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from dflash.cli import main as cli_main
+from dflash.core.progress import Bar, EtaRate
+from dflash.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_paths, cpu_settings, cpu_stage_plan, format_summary
+from dflash.demo_stages import StagePlan, stored_result, train_rates
+from tests.tiny import chat_rows, make_tiny_target, write_jsonl
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# ------------------------------------------------------------------------------------------------ the ETA
+
+
+def test_the_eta_is_timed_after_the_warm_up():
+    # a stage of 100 units: the first takes 60 s (a compile, a first prefill), the others 1 s each: 159 s in all
+    r = EtaRate(warmup=1)
+    r.observe(0, 0.0)
+    assert r.eta(0, 100, 30.0) is None  # nothing timed yet: no ETA rather than a wrong one
+    r.observe(1, 60.0)
+    assert r.eta(1, 100, 60.5) is None  # the warm-up just ended: no unit after it yet
+    r.observe(11, 70.0)
+    assert r.eta(11, 100, 70.0) == pytest.approx(89.0)  # 89 units left at 1/s: the truth
+    # tqdm's own rate (units since the start over the time since the start) would have said 11/70 units/s here:
+    assert (100 - 11) / (11 / 70.0) > 5 * 89
+    resumed = EtaRate(warmup=3, initial=40)  # a resumed bar: the warm-up counts from where it starts
+    for n, t in ((40, 0.0), (41, 50.0), (43, 52.0), (53, 62.0)):
+        resumed.observe(n, t)
+    assert resumed.rate(53, 62.0) == pytest.approx(1.0) and resumed.eta(53, 100, 62.0) == pytest.approx(47.0)
+    with pytest.raises(ValueError):
+        EtaRate(warmup=-1)
+
+
+def test_the_bar_shows_no_eta_during_the_warm_up_then_the_timed_one():
+    now = [1000.0]
+    out = io.StringIO()
+    bar = Bar(total=100, file=out, mininterval=0, warmup=1, unit="step")
+    bar._time = lambda: now[0]
+    bar.start_t = bar.last_print_t = now[0]
+    now[0] += 60.0
+    bar.update(1)
+    assert "<?," in str(bar)  # the first unit took 60 s: no ETA yet (tqdm's own would say 1:39:00)
+    now[0] += 10.0
+    bar.update(10)
+    assert "<01:29," in str(bar) and "1.00step/s" in str(bar)  # 89 left at the timed 1 step/s
+    bar.close()
+
+
+# ------------------------------------------------------------------------------------------------ regenerate's bar
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tmp_path_factory):
+    return make_tiny_target(tmp_path_factory.mktemp("newcomer") / "target")
+
+
+def test_regenerate_bar_counts_the_token_budget_and_ends_at_its_total(tiny_target, tmp_path, capsys):
+    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+
+    target = tiny_target
+    data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(6, seed=2, turns=(1, 2)))
+    s = run_regenerate(RegenerateConfig(target=target, data=data, out=str(tmp_path / "out"), max_new_tokens=6,
+                                        batch_size=4, device="cpu", progress=True))
+    turns = s["counts"]["turns"]
+    err = capsys.readouterr().err.replace("\r", "\n")
+    last = [ln for ln in err.splitlines() if ln.startswith("regenerate:") and "|" in ln][-1]
+    done, total = map(float, re.search(r"\| ([\d.]+)/([\d.]+) \[", last).groups())
+    # every generated token and every turn's unused budget: the bar ends exactly at turns x max_new_tokens
+    assert done == total == turns * 6, last
+    assert s["counts"]["generated_tokens"] < turns * 6 or s["counts"]["truncated"] == turns
+    assert f"{s['counts']['conversations']}/6 conv" in last, last
+
+
+# ------------------------------------------------------------------------------------------------ demo stages
+
+
+def test_each_cpu_stage_has_its_share_of_the_demo():
+    plan = cpu_stage_plan(DemoConfig().cpu())
+    assert list(plan.seconds) == ["prepare target", "regenerate", "extract", "train", "eval"]
+    assert plan.seconds == pytest.approx(CPU_STAGE_SECONDS)  # the defaults: as measured
+    assert sum(plan.share(n) for n in plan.seconds) == pytest.approx(1.0)
+    assert plan.line("extract") == "demo: [3/5] extract  (~11% of the demo)"
+    assert plan.line("train") == "demo: [4/5] train  (~43% of the demo)"
+    # more steps: training's share grows; the dataset's own replies: no regenerate stage
+    longer = cpu_stage_plan(DemoConfig(train_steps=640).cpu())
+    assert longer.seconds["train"] == pytest.approx(4 * CPU_STAGE_SECONDS["train"])
+    assert longer.share("train") > plan.share("train")
+    original = cpu_stage_plan(DemoConfig(responses="original").cpu())
+    assert "regenerate" not in original.seconds and original.line("eval").startswith("demo: [4/4] eval ")
+    assert StagePlan({"a": 0.0, "b": 0.0}).share("a") == 0.5
+
+
+# ------------------------------------------------------------------------------------------------ a finished demo
+
+
+@pytest.fixture(scope="module")
+def eval_report(tmp_path_factory):
+    """A real eval report (run_eval on a tiny target and an untrained tiny drafter)."""
+    from dflash.train.checkpoint import save_drafter
+    from dflash.train.eval import EvalConfig, run_eval
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.core.target import load_causal_lm
+
+    root = tmp_path_factory.mktemp("report")
+    target = make_tiny_target(str(root / "target"), arch="qwen3", num_layers=4, hidden=64)
+    model = load_causal_lm(target, dtype=torch.float32)
+    cfg = DrafterConfig.from_target(model.config, num_layers=1, layer_ids=[1, 2], block_size=4,
+                                    mask_token_id=model.config.vocab_size - 1)
+    save_drafter(DFlashDrafter(cfg), str(root / "drafter"), dtype=torch.float32)
+    data = write_jsonl(str(root / "p.jsonl"), chat_rows(3, seed=4))
+    return run_eval(EvalConfig(target=target, drafter=str(root / "drafter"), data=data, max_new_tokens=8,
+                               device="cpu", progress=False, warmup_prompts=0))
+
+
+def _finished_workdir(work: Path, report: dict, cfg: DemoConfig) -> dict[str, str]:
+    """A workdir as a finished CPU demo leaves it: its eval report, its summary (and the other folders' files)."""
+    paths = cpu_paths(str(work), cfg.responses)
+    for d in ("target", "regenerated", "cache", "run"):
+        os.makedirs(paths[d], exist_ok=True)
+        Path(paths[d], "marker").write_text(d)
+    Path(paths["eval"]).write_text(json.dumps(report))
+    hist = [{"step": 20, "step_ms": 100.0, "ctx_tokens_per_s": 100.0, "loss": 5.0, "tau_expected": 1.1},
+            {"step": 40, "step_ms": 50.0, "ctx_tokens_per_s": 200.0, "loss": 4.0, "tau_expected": 1.2}]
+    summary = {"config": {**cfg.__dict__}, "settings": cpu_settings(cfg), "finished_at": "2026-12-01 10:00",
+               "tokens_extracted": 1234, "cache_bytes": 5_000_000, "cache_bytes_per_token": 4051.0,
+               "extract_tokens_per_s": 400.0, **train_rates(hist), "final_loss": 4.0, "train_expected_tau": 1.2,
+               "tau_dflash": report["dflash"]["tau"], "tau_ngram": report["ngram"]["tau"],
+               "speedup_dflash": report["dflash"]["speedup"], "speedup_ngram": report["ngram"]["speedup"],
+               "lossless": f"{report['dflash']['outputs_identical']}/{report['prompts']}",
+               "eval_prompts": report["prompts"], "timings_s": {"prepare target": 19.0, "eval": 100.0}, "plot": None}
+    Path(paths["summary"]).write_text(json.dumps(summary, indent=2))
+    return paths
+
+
+def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes()) for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+def test_a_rerun_of_a_finished_demo_prints_the_stored_result_and_changes_nothing(tmp_path, eval_report):
+    from dflash.train.eval import format_report
+
+    work = tmp_path / "demo"
+    paths = _finished_workdir(work, eval_report, DemoConfig(recipe="cpu").cpu())
+    before = _tree(work)
+    t = time.perf_counter()
+    r = CliRunner().invoke(cli_main, ["demo", "--recipe", "cpu", "--workdir", str(work)], catch_exceptions=False)
+    took = time.perf_counter() - t
+    assert r.exit_code == 0, r.output
+    assert _tree(work) == before  # not a byte, not an mtime
+    assert took < 10, took  # seconds: nothing ran
+    assert (f"demo: already done: the stored result of 2026-12-01 10:00 ({paths['summary']}); delete that file to "
+            f"measure again, or delete {work} to start over") in r.output
+    assert format_report(eval_report) in r.output and "tau: dflash drafter" in r.output
+    assert "[1/5]" not in r.output and not any(ln.startswith(("regenerate:", "extract:", "train:", "eval:"))
+                                               for ln in r.output.splitlines())  # no stage ran
+    # the result of other settings is not this one; a summary without its settings (an older demo) neither
+    assert stored_result(paths["summary"], cpu_settings(DemoConfig(recipe="cpu", train_steps=7).cpu()), "settings",
+                         [paths["eval"]]) is None
+    assert stored_result(paths["summary"], cpu_settings(DemoConfig(recipe="cpu").cpu()), "settings",
+                         [str(work / "missing.json")]) is None
+    s = json.loads(Path(paths["summary"]).read_text())
+    del s["settings"]
+    Path(paths["summary"]).write_text(json.dumps(s))
+    assert stored_result(paths["summary"], cpu_settings(DemoConfig(recipe="cpu").cpu()), "settings",
+                         [paths["eval"]]) is None
+
+
+def test_the_demo_summary_names_the_run_mean_and_the_last_window():
+    # windows of 20 steps: 100 ctx tok/s in the first (the warm-up), then 400 (20 x 50 ms) and 200 (20 x 100 ms)
+    hist = [{"step": 20, "step_ms": 500.0, "ctx_tokens_per_s": 100.0},
+            {"step": 40, "step_ms": 50.0, "ctx_tokens_per_s": 400.0},
+            {"step": 60, "step_ms": 100.0, "ctx_tokens_per_s": 200.0}]
+    r = train_rates(hist)
+    # the run mean is tokens over time after the first window: (400 x 1 s + 200 x 2 s) / 3 s, not (400 + 200) / 2
+    assert r["train_tokens_per_s"] == pytest.approx(800 / 3)
+    assert r["train_tokens_per_s_steps"] == [21, 60] and r["train_last_window_steps"] == [41, 60]
+    assert r["train_tokens_per_s_last_window"] == 200.0
+    s = {"config": {"responses": "regenerate"}, "tokens_extracted": 1, "cache_bytes": 1, "cache_bytes_per_token": 1,
+         "extract_tokens_per_s": 1.0, **r, "final_loss": 1.0, "tau_dflash": 1.0, "tau_ngram": 1.0,
+         "speedup_dflash": 1.0, "speedup_ngram": 1.0, "lossless": "1/1", "timings_s": {}}
+    assert "training                      267 ctx tok/s (run mean, steps 21-60; last window, steps 41-60: 200)" \
+        in format_summary(s)
+    one = train_rates(hist[:1])  # a single window: it is the mean and the last
+    assert one["train_tokens_per_s"] == 100.0 and one["train_tokens_per_s_steps"] == [1, 20]
+    assert "(run mean, steps 1-20)" in format_summary({**s, **one})
+
+
+# ------------------------------------------------------------------------------------------------ files under HOME
+
+
+def test_the_demo_caches_go_under_the_workdir_not_home(tmp_path):
+    """In a fresh process with HOME an empty folder: a dataset loaded within caches_under writes nothing under HOME,
+    its cache is under WORKDIR/caches, and so are matplotlib's config and cache (where eval's plot would write its
+    font list); the environment and datasets' config are restored after."""
+    home, work = tmp_path / "home", tmp_path / "work"
+    home.mkdir()
+    data = write_jsonl(str(tmp_path / "chats.jsonl"), chat_rows(4, seed=1))
+    code = f"""
+import datasets.config, os
+from dflash.core.chat import load_chat_dataset
+from dflash.demo_stages import caches_under
+before = datasets.config.HF_DATASETS_CACHE
+with caches_under({str(work)!r}) as tok:
+    assert len(load_chat_dataset({data!r})) == 4
+    import matplotlib
+    print(tok, matplotlib.get_configdir(), matplotlib.get_cachedir())
+assert datasets.config.HF_DATASETS_CACHE == before and "MPLCONFIGDIR" not in os.environ
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HOME", "HF_DATASETS_CACHE", "XDG_CACHE_HOME",
+                                                             "XDG_CONFIG_HOME", "MPLCONFIGDIR")}
+    env.update(HOME=str(home), PYTHONPATH=str(REPO), HF_DATASETS_OFFLINE="1", OMP_NUM_THREADS="1")
+    p = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    mpl = str(work / "caches" / "matplotlib")
+    assert p.stdout.split() == [str(work / "caches" / "tokenized"), mpl, mpl]
+    assert [str(x) for x in home.rglob("*")] == []
+    assert any((work / "caches" / "datasets").rglob("*.arrow"))
+
+
+# ------------------------------------------------------------------------------------------------ train's last line
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory, tiny_target):
+    from dflash.extract.run import ExtractConfig, run_extract
+
+    root = tmp_path_factory.mktemp("newcomer-train")
+    target = tiny_target
+    data = write_jsonl(root / "chat.jsonl", chat_rows(12, seed=3))
+    run_extract(ExtractConfig(target=target, data=data, out=str(root / "cache"), seq_len=128, rows_per_shard=8,
+                              device="cpu", progress=False, tokenize_cache="off"))
+    return root, target
+
+
+def test_trains_last_line_names_its_window_and_the_drafter_as_this_command_names_it(tiny_cache, tmp_path,
+                                                                                       monkeypatch):
+    root, target = tiny_cache
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--cache", str(root / "cache"), "--target", str(target), "--drafter-layers", "1",
+            "--block-size", "4", "--num-anchors", "8", "--batch-rows", "2", "--max-steps", "6", "--log-every", "2",
+            "--save-every", "6", "--no-progress", "--device", "cpu"]
+    first = CliRunner().invoke(cli_main, args + ["--out", "run"], catch_exceptions=False)
+    assert first.exit_code == 0, first.output
+    line = [ln for ln in first.output.splitlines() if ln.startswith("train: step 6:")][-1]
+    assert "ctx tok/s (last window, steps 5-6)" in line and line.endswith("drafter -> run/final")
+    # the rerun finds the run finished and replays its summary: the drafter's path is the one this command gives
+    again = CliRunner().invoke(cli_main, args + ["--out", str(tmp_path / "run")], catch_exceptions=False)
+    assert again.exit_code == 0 and "nothing to do" in again.output, again.output
+    line = [ln for ln in again.output.splitlines() if ln.startswith("train: step 6:")][-1]
+    assert line.endswith(f"drafter -> {tmp_path / 'run' / 'final'}") and "(last window, steps 5-6)" in line
