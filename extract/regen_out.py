@@ -66,9 +66,12 @@ def read_meta(out: str) -> dict | None:
         return None
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            doc = json.load(f)
     except (OSError, ValueError) as e:
         raise DataError(f"cannot read {path}: {e}; pass --overwrite to start over") from e
+    if not isinstance(doc, dict):
+        raise DataError(f"{path} holds a {type(doc).__name__}, not a regenerate record; pass --overwrite to start over")
+    return doc
 
 
 def _fmt(v) -> str:
@@ -125,10 +128,16 @@ def _remove_ours(out: str) -> None:
             os.remove(os.path.join(out, name))
 
 
-def check_out(out: str) -> dict | None:
-    """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into)."""
+def check_out(out: str, overwrite: bool = False) -> dict | None:
+    """OUT's record (None for a new or empty directory); OUT holding anything else is refused (never written into).
+    A record of its own name that cannot be read is an error, except with --overwrite (which then starts over)."""
 
-    old = read_meta(out) if os.path.isdir(out) else None
+    try:
+        old = read_meta(out) if os.path.isdir(out) else None
+    except DataError:
+        if not overwrite:
+            raise
+        old = {"format": FORMAT}  # regenerate's own record, damaged: --overwrite removes what regenerate writes
     entries = sorted(n for n in os.listdir(out) if not n.startswith(LOCK_NAME)) if os.path.isdir(out) else []
     if old is None and entries:
         raise ConfigError(f"--out: {out} exists and is not a dflash regenerate output (it holds "
@@ -141,7 +150,7 @@ def prepare_out(out: str, meta: dict, overwrite: bool, weights: WeightsFingerpri
     """Create OUT or check that it holds this regeneration (rank 0 only): the module docstring's resume checks
     against `meta` and `weights` (this run's target fingerprint). Never deletes files it did not write. Returns
     notes for the user (checks an older record could not support)."""
-    old = check_out(out)
+    old = check_out(out, overwrite)
     notes: list[str] = []
     if old is not None and old.get("format") != FORMAT:
         raise ConfigError(f"--out: {out}/{META_NAME} is not a {FORMAT} record; choose another directory")
@@ -203,10 +212,16 @@ def finalize(out: str, meta: dict) -> dict | None:
         return None
     totals = _new_stats()
     for p in range(meta["parts"]):
-        with open(_paths(out, p)[1], encoding="utf-8") as f:
-            st = json.load(f)
-        for k in COUNT_KEYS:
-            totals[k] += int(st.get(k, 0))
+        part, side = _paths(out, p)
+        try:
+            with open(side, encoding="utf-8") as f:
+                st = json.load(f)
+            counts = [int(st.get(k, 0)) for k in COUNT_KEYS]
+        except (OSError, ValueError, AttributeError, TypeError) as e:
+            raise DataError(f"cannot read {side} (the counts of committed part {p}): {e}; delete it and {part} and "
+                            "rerun the same command to redo that part") from None
+        for k, n in zip(COUNT_KEYS, counts):
+            totals[k] += n
     final = dict(read_meta(out) or meta, complete=True, counts=totals)  # the record as rank 0 wrote it (weights)
     _atomic_write(os.path.join(out, META_NAME), json.dumps(final, indent=2, sort_keys=True) + "\n")
     _atomic_write(os.path.join(out, "README.md"), dataset_card(final))

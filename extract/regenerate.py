@@ -178,7 +178,8 @@ def conversation(example, row: int, source: str, turns: str = "all") -> tuple[Co
 def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
 
     dist = compute_init(cfg.device)
-    with output_lock(cfg.out, "regenerate", dist.is_main, precheck=check_out):  # one writer per OUT
+    with output_lock(cfg.out, "regenerate", dist.is_main,
+                     precheck=lambda out: check_out(out, cfg.overwrite)):  # one writer per OUT
         return _run_regenerate(cfg, dist)
 
 
