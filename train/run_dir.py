@@ -57,7 +57,8 @@ def _run_marker(out: str) -> dict | None:
             doc = json.load(f)
     except (OSError, ValueError):
         return None
-    return doc if isinstance(doc, dict) and doc.get("dflash") == "train" else None
+    ok = isinstance(doc, dict) and doc.get("dflash") == "train" and isinstance(doc.get("config", {}), dict)
+    return doc if ok else None
 
 
 def _describe_dir(out: str, entries: list[str]) -> str:
@@ -78,7 +79,15 @@ def check_out_path(cfg: TrainConfig) -> None:
                          "a run directory must be apart from its cache: choose another --out")
     if not os.path.isdir(cfg.out):
         return
+    for name in ("checkpoints", "final"):
+        if os.path.lexists(os.path.join(cfg.out, name)) and not os.path.isdir(os.path.join(cfg.out, name)):
+            raise TrainError(f"--out {cfg.out}: {name} is not a directory (a damaged run directory); choose another "
+                             "--out, or delete it to start over")
     entries = [n for n in os.listdir(cfg.out) if not n.startswith(LOCK_NAME)]
+    if entries and _run_marker(cfg.out) is None and set(entries) <= set(RUN_ENTRIES):
+        state = "damaged (not a dflash train record)" if RUN_MARKER in entries else "missing"
+        raise TrainError(f"--out {cfg.out} holds what dflash train writes, but its {RUN_MARKER} is {state}: the run "
+                         "cannot be checked or resumed; choose another --out, or delete the directory to start over")
     if entries and _run_marker(cfg.out) is None:
         raise TrainError(f"--out {cfg.out} is not a dflash run directory (it holds {_describe_dir(cfg.out, entries)}); "
                          "choose another --out (--overwrite only replaces a dflash train run directory, one with run.json)")
@@ -303,9 +312,12 @@ def finished_run(out: str, step: int, total_steps: int) -> dict[str, Any] | None
     path = os.path.join(out, "summary.json")
     if step < total_steps or not (os.path.exists(path) and os.path.isdir(os.path.join(out, "final"))):
         return None
-    with open(path) as f:
-        summary = json.load(f)
-    return dict(summary, steps_this_run=0) if summary.get("steps") == step else None
+    try:
+        with open(path) as f:
+            summary = json.load(f)
+    except (OSError, ValueError):
+        return None  # damaged: the rerun writes final/ and summary.json again
+    return dict(summary, steps_this_run=0) if isinstance(summary, dict) and summary.get("steps") == step else None
 
 
 def _metric_lines(path: str) -> tuple[list[tuple[str, dict]], list[int]]:
