@@ -95,7 +95,7 @@ def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfl
 
 
 def read_drafter_config(path: str) -> DrafterConfig:
-    """The DrafterConfig of the checkpoint directory `path` (its config.json), or a DrafterError naming what is wrong."""
+    """The DrafterConfig of the checkpoint directory `path` (its config.json); a DrafterError says what is wrong."""
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isdir(path):
         raise DrafterError(f"{path} is not a drafter checkpoint: not a directory")

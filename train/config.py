@@ -93,7 +93,8 @@ class TrainConfig:
               f"must be a finite number >= 0, got {self.weight_decay}")
         check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "beta1", f"and beta2 must be in [0, 1), got {self.beta1}, "
               f"{self.beta2}")
-        check(finite(self.grad_clip) and self.grad_clip > 0, "grad_clip", f"must be a finite number > 0, got {self.grad_clip}")
+        check(finite(self.grad_clip) and self.grad_clip > 0, "grad_clip",
+              f"must be a finite number > 0, got {self.grad_clip}")
         # anchors are seeded by (seed * 1_000_003 + step) * 65_537, which must stay below 2**64 (trainer.anchor_scores)
         check(0 <= self.seed < 2**28, "seed", f"must be in [0, 2**28 = {2**28}), got {self.seed}")
         check(self.mask_token_id is None or self.mask_token_id >= 0, "mask_token_id",

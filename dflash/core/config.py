@@ -202,8 +202,8 @@ def build(cls: type[C], preset: str | None, section: str, flags: dict[str, Any])
                     values.pop(k, None)
         elif sum(values.get(k) is not None for k in group) > 1:
             raise ConfigError(f"--config {preset} sets both {' and '.join(group)} in section '{section}' "
-                              f"({' and '.join(flag(k) for k in group)} are exclusive): keep one, or give one as a flag",
-                              group[0])
+                              f"({' and '.join(flag(k) for k in group)} are exclusive): keep one, or give one as a "
+                              "flag", group[0])
     from_preset = set(values) - set(given)
     values.update(given)
     try:

@@ -30,7 +30,8 @@ def check_output_file(path: str | None, name: str) -> None:
     if not path or is_url(path):
         return
     if os.path.isdir(path):
-        raise ConfigError(f"{flag(name)} {path} is a directory; give a file name such as {os.path.join(path, 'summary.json')}")
+        raise ConfigError(f"{flag(name)} {path} is a directory; give a file name such as "
+                          f"{os.path.join(path, 'summary.json')}")
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ConfigError(f"{flag(name)} {path}: directory {parent} does not exist (create it first)")
@@ -60,7 +61,8 @@ def check_input_path(path: str | None, name: str, kind: str = "any") -> None:
     if _dangling(path):
         raise ConfigError(_dangling_message(path, name))
     if not os.path.exists(path):
-        raise ConfigError(f"{flag(name)} {path}: no such " + {"file": "file", "dir": "directory"}.get(kind, "file or directory"))
+        what = {"file": "file", "dir": "directory"}.get(kind, "file or directory")
+        raise ConfigError(f"{flag(name)} {path}: no such {what}")
     is_dir = os.path.isdir(path)
     if kind == "file" and is_dir:
         raise ConfigError(f"{flag(name)} {path} is a directory, not a file")
@@ -75,8 +77,8 @@ def check_cache_path(path: str | None, name: str) -> None:
     What the hierarchy holds is dflash_cache's to check."""
     check_input_path(path, name, kind="dir")
     if path and not is_url(path) and not os.path.isfile(os.path.join(path, "zarr.json")):
-        raise ConfigError(f"{flag(name)} {path} is not a dflash cache (no zarr.json in it): give a directory written by "
-                          "`dflash extract --out`")
+        raise ConfigError(f"{flag(name)} {path} is not a dflash cache (no zarr.json in it): give a directory "
+                          "written by `dflash extract --out`")
 
 
 def check_output_dir(path: str | None, name: str) -> None:

@@ -80,7 +80,8 @@ def check_target(path: str) -> None:
         kind, files = weight_files(d)
         for file in files:
             if not os.path.isfile(file):
-                raise TargetError(f"--target {path}: weight file {os.path.basename(file)} is missing (named in its index)")
+                raise TargetError(f"--target {path}: weight file {os.path.basename(file)} is missing (its index "
+                                  "names it)")
             if kind == "safetensors":
                 size = os.path.getsize(file)
                 ends = [e.offset + e.size for e in safetensors_extents(file)]
@@ -90,7 +91,12 @@ def check_target(path: str) -> None:
     except WeightsError as e:
         said = str(e).removeprefix(f"target {d} ")  # weight_files names the target itself
         raise TargetError(f"--target {path} {said}" if said != str(e) else f"--target {path}: {said}") from None
-    if not any(os.path.exists(os.path.join(d, name)) for name in TOKENIZER_FILES):
+    check_tokenizer_files(path, d)
+
+
+def check_tokenizer_files(path: str, directory: str) -> None:
+    """A TargetError naming --target when a model directory has none of TOKENIZER_FILES."""
+    if not any(os.path.exists(os.path.join(directory, name)) for name in TOKENIZER_FILES):
         raise TargetError(f"--target {path} has no tokenizer files (none of {', '.join(TOKENIZER_FILES)}): copy them "
                           "from where the model came from")
 
@@ -158,6 +164,8 @@ def load_tokenizer(path: str):
     from transformers import AutoTokenizer
 
     d, gguf = resolve_target(path)
+    if not gguf:
+        check_tokenizer_files(path, d)
     try:
         if gguf:
             with gguf_read_once():
