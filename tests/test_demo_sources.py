@@ -241,3 +241,45 @@ def test_the_recipe_end_to_end_with_a_mix_and_an_out_of_source_set(tmp_path, cap
                  "out-of-source", "4 of mt_bench, never trained on"):
         assert line in out, line
     assert format_summary(s) in out
+
+
+def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitchat(tmp_path):
+    from dataclasses import replace
+
+    from dflash.demo import DemoConfig, eval_figures
+    from dflash.demo import format_summary as cpu_summary
+    from dflash.demo import prepare_data as cpu_data
+    from dflash.train.decode import Decode
+    from dflash.train.eval import groups
+
+    cfg = DemoConfig(recipe="cpu", workdir=str(tmp_path)).cpu()
+    assert cfg.out_of_source_prompts == 4
+    _, held = cpu_data(cfg)
+    rows = [json.loads(x) for x in open(held)]
+    assert [r["set"] for r in rows] == ["in-source"] * 16 + ["out-of-source"] * 4
+    mt = {c.messages[0]["content"]: c.category for c in load_source("mt_bench")}
+    assert [mt[r["messages"][0]["content"]] for r in rows[16:]] == ["writing", "roleplay", "reasoning", "math"]
+    assert all(len(r["messages"]) == 1 for r in rows)
+    _, held0 = cpu_data(replace(cfg, out_of_source_prompts=0))
+    assert [json.loads(x)["set"] for x in open(held0)] == ["in-source"] * 16
+    with pytest.raises(ConfigError, match="out.of.source.prompts"):
+        DemoConfig(out_of_source_prompts=81)
+    # the summary's figures: the in-source set's tau and speed-up, the out-of-source tau beside, lossless over all
+    d = lambda n, acc, s: Decode([1] * n, accept_lengths=acc, seconds=s)  # noqa: E731
+    runs = {"target": [d(4, [1, 1, 1], 2.0), d(4, [1, 1, 1], 2.0)], "dflash": [d(4, [3, 1], 1.0), d(4, [1, 1, 1], 2.0)],
+            "ngram": [d(4, [2, 1, 1], 2.0), d(4, [1, 2, 1], 1.0)]}
+    sets, cats = groups(runs, [{"set": "in-source", "category": None}, {"set": "out-of-source", "category": None}])
+    ev = {"dflash": {"tau": 1.4, "speedup": 1.5, "outputs_identical": 2}, "ngram": {"tau": 1.33, "speedup": 1.3},
+          "prompts": 2, "sets": sets, "categories": cats}
+    f = eval_figures(ev)
+    assert (f["tau_dflash"], f["speedup_dflash"], f["tau_ngram"]) == (2.0, 2.0, 4 / 3)
+    assert (f["tau_dflash_out_of_source"], f["tau_ngram_out_of_source"], f["out_of_source_prompts"]) == (1.0, 4 / 3, 1)
+    assert f["lossless"] == "2/2" and f["eval_prompts"] == 1
+    s = {"config": {"responses": "regenerate"}, "tokens_extracted": 1, "cache_bytes": 1, "cache_bytes_per_token": 1,
+         "extract_tokens_per_s": 1.0, "final_loss": 1.0, "timings_s": {}, **f}
+    assert "tau: dflash drafter           2.00 held-out chitchat, 1.00 MT-Bench (out-of-source)" in cpu_summary(s)
+    assert "tau: n-gram lookup            1.33 held-out chitchat, 1.33 MT-Bench (out-of-source)" in cpu_summary(s)
+    old = eval_figures({**ev, "sets": {}})  # a report without sets (an older demo): all its prompts
+    assert old["tau_dflash"] == 1.4 and "tau_dflash_out_of_source" not in old
+    s_old = {**{k: v for k, v in s.items() if "out_of_source" not in k}, **old}
+    assert "tau: dflash drafter           1.40\n" in cpu_summary(s_old)
