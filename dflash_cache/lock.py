@@ -6,11 +6,18 @@
 The record, OUT/.dflash.lock, is JSON: host, pid, start time (UTC), command, and the torchrun job id
 (TORCHELASTIC_RUN_ID) when there is one. Rules:
 
-- Local paths: the record is created with O_CREAT | O_EXCL, so of two processes racing for it exactly
-  one wins, on one host or on several sharing a POSIX filesystem that honours O_EXCL (local disks,
-  NFSv3+ and Lustre do).
+- Local paths: the record is written whole to a temp file of its own, then hard-linked to OUT/.dflash.lock.
+  link() fails if the name exists, so of several processes racing for it exactly one wins, on one host or on
+  several sharing a POSIX filesystem (local disks, NFS and Lustre honour it), and the lock is never seen
+  partly written (a full disk fails the temp file, which is removed: no lock is left). On a filesystem
+  without hard links it is created with O_CREAT | O_EXCL and then written (removed again if that fails).
 - A record left by a process that is gone (same host, its pid no longer runs, or runs a process that
-  started after the record was written) is stale: it is renamed aside and taken over, and `note` says so.
+  started after the record was written) is stale, and so, by definition, is a record that cannot be read
+  (empty, cut short, not a lock record: no dflash leaves one behind while running). It is taken over, and
+  `note` says so. Taking over is a compare-and-replace under an flock(2) of OUT/.dflash.lock.takeover
+  (released by the kernel if its holder dies, removed after use): the record is read again and replaced by
+  ours (an atomic rename of our temp file) only if it is still the stale one, so of several processes taking
+  over one stale lock at once exactly one wins and the others are refused by the winner's record.
 - A record from another host cannot be checked for liveness: it is refused like a live one; the
   message names the host and pid and the file to delete if that process is known to be gone.
 - fsspec URLs (object stores): there is no atomic exclusive create. The lock there is best effort:
@@ -23,11 +30,14 @@ The record, OUT/.dflash.lock, is JSON: host, pid, start time (UTC), command, and
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 import socket
 import sys
 import time
+import uuid
 from typing import Any
 
 from .format import CacheError
@@ -91,21 +101,23 @@ class OutputLock:
             f"(since {rec.get('started')}: {rec.get('command')}); wait for it to finish, or, if that process is gone "
             f"(e.g. another machine crashed), delete {self.where}")
 
-    def _stale(self, rec: dict[str, Any]) -> str | None:
+    def _stale(self, rec: dict[str, Any] | None) -> str | None:
         """Why `rec` is stale (so we may take it over), or None when it may be live."""
-        if not isinstance(rec, dict):
-            return "an unreadable lock record"
+        if rec is None:
+            return "an unreadable lock record (empty or cut short: left by a process that died writing it, or by a full disk)"
         if rec.get("job") and rec.get("job") == job_id():
             return f"a lock of this same torchrun job (pid {rec.get('pid')})"
         if rec.get("host") != socket.gethostname():
             return None
-        pid = int(rec.get("pid", -1))
+        pid = rec["pid"]
         if pid == os.getpid():
             return None  # ourselves, through another OutputLock: refuse (not reentrant)
         if pid <= 0 or not _pid_alive(pid):
             return f"the stale lock of pid {pid} on {rec.get('host')}, which no longer runs"
         started = _pid_start_time(pid)
-        if started is not None and started > float(rec.get("started_unix", 0)) + 2:
+        written = rec.get("started_unix")
+        written = float(written) if isinstance(written, (int, float)) else 0.0
+        if started is not None and started > written + 2:
             return f"the stale lock of pid {pid} on {rec.get('host')} (that pid now belongs to a newer process)"
         return None
 
@@ -115,55 +127,125 @@ class OutputLock:
             if self._try_create(rec):
                 self.record, self.held = rec, True
                 return self
-            old = self._read()
-            if old is None:  # released between our attempt and the read: try again
+            raw = self.store.get(LOCK_NAME)
+            if raw is None:  # released between our attempt and the read: try again
                 continue
+            old = parse_record(raw)
             why = self._stale(old)
             if why is None:
                 raise self._refuse(old)
-            self._set_aside(old)
-            self.note = f"note: took over {why} on {self.path}"
+            if self._take_over(raw, rec):
+                self.record, self.held = rec, True
+                self.note = f"note: took over {why} on {self.path}"
+                return self
+            # another process took it over first (or it changed hands): look again
         raise LockedError(f"{self.path}: could not take the lock {self.where} (it keeps changing hands)")
 
     def _read(self) -> dict[str, Any] | None:
         raw = self.store.get(LOCK_NAME)
-        if raw is None:
-            return None
+        return None if raw is None else parse_record(raw)
+
+    def _temp_record(self, rec: dict[str, Any]) -> str:
+        """A complete copy of `rec` in a temp file of our own next to the lock (a failed write leaves nothing)."""
+        tmp = f"{self.where}.{uuid.uuid4().hex}.tmp"
         try:
-            return json.loads(raw)
-        except ValueError:
-            return {"host": "?", "pid": "?", "unreadable": True}
+            os.makedirs(self.store.root, exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(json.dumps(rec, indent=1).encode())
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            full = " (disk full)" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else ""
+            raise CacheError(f"cannot create the lock {self.where}: {e.strerror or e}{full}") from e
+        return tmp
 
     def _try_create(self, rec: dict[str, Any]) -> bool:
-        data = json.dumps(rec, indent=1).encode()
         if self.store.local:
-            os.makedirs(self.store.root, exist_ok=True)
+            tmp = self._temp_record(rec)
             try:
-                fd = os.open(self.where, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                os.link(tmp, self.where)  # exclusive and atomic: the lock appears complete, or not at all
+                return True
             except FileExistsError:
                 return False
             except OSError as e:
-                raise CacheError(f"cannot create the lock {self.where}: {e.strerror or e}") from e
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            return True
+                if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+                    raise CacheError(f"cannot create the lock {self.where}: {e.strerror or e}") from e
+                return self._create_exclusive(tmp)  # a filesystem without hard links
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(tmp)
         if self.store.get(LOCK_NAME) is not None:  # object stores: no exclusive create (see the docstring)
             return False
-        self.store.put(LOCK_NAME, data)
+        self.store.put(LOCK_NAME, json.dumps(rec, indent=1).encode())
         time.sleep(0.5)
         back = self._read()
         return back is not None and back.get("pid") == rec["pid"] and back.get("host") == rec["host"] \
             and back.get("started_unix") == rec["started_unix"]
 
-    def _set_aside(self, old: dict[str, Any]) -> None:
-        if self.store.local:
-            try:  # a rename, so that two processes taking over the same stale lock cannot both remove a new one
-                os.replace(self.where, f"{self.where}.stale.{os.getpid()}")
-                os.unlink(f"{self.where}.stale.{os.getpid()}")
-            except FileNotFoundError:
-                pass
-        else:
+    def _create_exclusive(self, tmp: str) -> bool:
+        with open(tmp, "rb") as f:
+            data = f.read()
+        try:
+            fd = os.open(self.where, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        except OSError as e:
+            raise CacheError(f"cannot create the lock {self.where}: {e.strerror or e}") from e
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+        except OSError as e:
+            os.unlink(self.where)  # ours: created above
+            raise CacheError(f"cannot create the lock {self.where}: {e.strerror or e}") from e
+        return True
+
+    def _take_over(self, stale: bytes, rec: dict[str, Any]) -> bool:
+        """Replace the lock, if its bytes are still `stale`, by `rec`; True when we did (we hold the lock)."""
+        if not self.store.local:  # best effort, as creation there
             self._delete_remote()
+            return self._try_create(rec)
+        tmp = self._temp_record(rec)
+        try:
+            with self._takeover_mutex():
+                if self.store.get(LOCK_NAME) != stale:
+                    return False
+                os.replace(tmp, self.where)
+                return True
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    @contextlib.contextmanager
+    def _takeover_mutex(self):
+        """flock(2) of OUT/.dflash.lock.takeover: one taker at a time. The file is removed after use; a process
+        that locked a file removed meanwhile notices (it is no longer the one at that path) and locks again."""
+        import fcntl
+
+        path = f"{self.where}.takeover"
+        while True:
+            try:
+                fd = os.open(path, os.O_CREAT | os.O_RDWR, 0o644)
+            except OSError as e:
+                raise CacheError(f"cannot take over the stale lock {self.where}: {e.strerror or e}") from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except OSError as e:
+                os.close(fd)
+                raise CacheError(f"cannot take over the stale lock {self.where}: this filesystem has no file locks "
+                                 f"({e.strerror or e}); if its process is gone, delete it yourself") from e
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            os.close(fd)
+        try:
+            yield
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            os.close(fd)
 
     def _delete_remote(self) -> None:
         self.store._sync(self.store._zstore.delete(LOCK_NAME))
@@ -197,3 +279,14 @@ def holder(path: str) -> tuple[dict[str, Any] | None, str | None]:
     probe = OutputLock(path, "probe")
     rec = probe._read()
     return rec, (probe._stale(rec) if rec is not None else None)
+
+
+def parse_record(raw: bytes) -> dict[str, Any] | None:
+    """The lock record in `raw`, or None when it is not one (empty, cut short, garbage: stale by definition)."""
+    try:
+        rec = json.loads(raw)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if not isinstance(rec, dict) or not isinstance(rec.get("host"), str) or type(rec.get("pid")) is not int:
+        return None
+    return rec
