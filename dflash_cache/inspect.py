@@ -158,9 +158,10 @@ def _shard_groups(store: Store, spec: CacheSpec, rep: VerifyReport) -> dict[int,
     return commits
 
 
-def _root(store: Store, rep: VerifyReport) -> tuple[dict[str, Any] | None, str | None]:
+def _root(store: Store, rep: VerifyReport) -> tuple[dict[str, Any] | None, str | None, bool]:
     """(the root attributes to check the shards against, the root digest their records must carry or None when
-    they cannot be checked for it). Records what is wrong with the root zarr.json and its record in rep."""
+    they cannot be checked for it, whether the root was checked: against its record or the shards' digests of it).
+    Records what is wrong with the root zarr.json and its record in rep."""
     doc, why = load_json(store, "zarr.json")
     attrs = attributes_of(doc)
     recorded, rec_why = root_record(store)
@@ -175,8 +176,8 @@ def _root(store: Store, rep: VerifyReport) -> tuple[dict[str, Any] | None, str |
                                 "written with the cache (no shard is affected); --repair restores it from the record")
             rep.fixes["zarr.json"] = group_json(recorded)
         _check_group(rep, f"{SHARDS}/zarr.json", rec_doc, root_record_json(recorded))
-        read_root_errors(store, recorded)
-        return recorded, root_digest(recorded)
+        _refuse_newer(store, recorded)
+        return recorded, root_digest(recorded), True
 
     # no intact record: the root is checked against the root digest in the shards' commit records, if any
     if attrs is None or attrs.get("format") != FORMAT_NAME:
@@ -184,8 +185,8 @@ def _root(store: Store, rep: VerifyReport) -> tuple[dict[str, Any] | None, str |
             read_root(store, check_record=False)  # not a cache: NotACacheError naming what is wrong
         rep.unrepairable.append(f"zarr.json: {why or 'not the root of a dflash cache'}, and {rec_why[len('damaged: '):]}: "
                                 "nothing to restore the root metadata from; extract the cache again")
-        return None, None
-    read_root_errors(store, attrs)
+        return None, None, False
+    _refuse_newer(store, attrs)
     digest = root_digest(attrs)
     try:
         records = committed_shards(store, CacheSpec.from_metadata(attrs).num_shards)
@@ -216,10 +217,10 @@ def _root(store: Store, rep: VerifyReport) -> tuple[dict[str, Any] | None, str |
         rep.notes.append("this cache records no copy of its root metadata (written by an older dflash): a changed "
                          "zarr.json can be noticed only where it disagrees with the shards, and not restored")
     _check_group(rep, "zarr.json", doc, group_json(attrs))
-    return attrs, None if doubt else digest
+    return attrs, None if doubt else digest, digest in seen
 
 
-def read_root_errors(store: Store, attrs: dict[str, Any]) -> None:
+def _refuse_newer(store: Store, attrs: dict[str, Any]) -> None:
     """The error read_root raises for a root written by a newer dflash."""
     if isinstance(attrs.get("format_version"), int) and attrs["format_version"] > FORMAT_VERSION:
         raise CacheVersionError(f"{store.url} was written in cache format version {attrs['format_version']}; this "
@@ -287,7 +288,7 @@ def verify(path: str, threads: int = 4, progress: Callable[[int], None] | None =
     if store.root_is_file() or not store.exists_root():
         read_root(store)  # raises the error that names what the path is
     rep = VerifyReport(path=str(path))
-    attrs, root = _root(store, rep)
+    attrs, root, checked = _root(store, rep)
     if attrs is None:
         return rep
     try:
@@ -316,7 +317,7 @@ def verify(path: str, threads: int = 4, progress: Callable[[int], None] | None =
             if progress:
                 progress(1)
     another = [s for s, p in rep.bad.items() if any(x.startswith(ANOTHER_ROOT) for x in p)]
-    if commits and not rep.shards_ok and not rep.keep_commits and (root is None or len(another) == len(commits)):
+    if commits and not rep.shards_ok and not rep.keep_commits and (not checked or len(another) == len(commits)):
         rep.keep_commits = True
         rep.unrepairable.append(
             "zarr.json: no committed shard verifies against the root metadata"

@@ -12,11 +12,12 @@ and possibly things a user put there (notes, a copy of the data, another folder)
 deletes them.
 
     foreign_entries(store, spec)   every foreign file or folder (a folder once, not each file in it)
-    remove_own(store)              delete what dflash wrote, keep the rest; returns what was kept
+    remove_own(store, spec, under) delete what dflash wrote (in the folder `under`), keep the rest; returns what
+                                   was kept
 
-With a spec (verify) the layout is checked exactly: shard indices in range, the arrays of that cache, chunk
-coordinates that exist in it. Without one (--overwrite of a cache about to be replaced) any shard index, any
-of dflash's array names and anything under an array's c/ counts as dflash's.
+With the cache's spec the layout is checked exactly: shard indices in range, the arrays of that cache, chunk
+coordinates that exist in it. Without one any shard index, any of dflash's array names and anything under an
+array's c/ counts as dflash's.
 """
 
 from __future__ import annotations
@@ -25,61 +26,44 @@ from .format import ARRAYS, SCALES, SHARDS, SMALL_ARRAYS, CacheSpec, shard_array
 from .lock import LOCK_NAME
 from .store import PARTIAL, Store
 
-LOCK_PREFIX = LOCK_NAME  # the lock and its temp files (lock.py)
-
 OWN, FOREIGN, MIXED = "own", "foreign", "mixed"  # MIXED: a folder of dflash's whose entries are judged one by one
 
 
-def _chunk_coords(spec: CacheSpec, shard: int, array: str) -> list[int]:
+def _chunk_grid(spec: CacheSpec, shard: int, array: str) -> list[int]:
     """Number of chunks along each dimension of `array` in `shard`."""
     _, rows = spec.shard_rows(shard)
-    if array in SMALL_ARRAYS:  # one chunk
-        return [1, 1]
-    return [rows, spec.chunks_per_row(), 1]
+    return [1, 1] if array in SMALL_ARRAYS else [rows, spec.chunks_per_row(), 1]
 
 
 def judge(parts: list[str], spec: CacheSpec | None, is_dir: bool) -> str:
-    """OWN, FOREIGN or MIXED for the entry at path `parts` (relative to the cache root)."""
-    name = parts[-1]
-    if not is_dir and name.endswith(PARTIAL):
-        return OWN
-    n = len(parts)
-    if n == 1:
-        if name.startswith(LOCK_PREFIX) or (name == "zarr.json" and not is_dir):
-            return OWN
-        return MIXED if name == SHARDS and is_dir else FOREIGN
-    if parts[0] != SHARDS:
-        return FOREIGN
-    if n == 2:
-        if name == "zarr.json":
-            return FOREIGN if is_dir else OWN
-        ok = is_dir and name.isdigit() and name == f"{int(name):06d}" and (spec is None or int(name) < spec.num_shards)
+    """OWN, FOREIGN or MIXED for the entry at `parts` (its path from the cache root), an entry of the root or of a
+    folder judged MIXED (the walk descends into no other)."""
+    name, depth = parts[-1], len(parts)
+    if not is_dir and (name.endswith(PARTIAL) or (name == "zarr.json" and depth <= 4)):
+        return OWN  # temp files; zarr.json of the root, shards/, shards/NNNNNN/, shards/NNNNNN/<array>/
+    if depth == 1:
+        return OWN if name.startswith(LOCK_NAME) else MIXED if name == SHARDS and is_dir else FOREIGN
+    if not is_dir and depth < 6:
+        return FOREIGN  # only chunks are files below the shards folder, apart from zarr.json
+    if depth == 2:  # a shard
+        ok = name.isdigit() and name == f"{int(name):06d}" and (spec is None or int(name) < spec.num_shards)
         return MIXED if ok else FOREIGN
-    arrays = shard_arrays(spec) if spec is not None else (*ARRAYS, SCALES)
-    if n == 3:
-        if name == "zarr.json":
-            return FOREIGN if is_dir else OWN
-        return MIXED if is_dir and name in arrays else FOREIGN
-    if n == 4:
-        if name == "zarr.json":
-            return FOREIGN if is_dir else OWN
-        if name != "c" or not is_dir:
-            return FOREIGN
-        return OWN if spec is None else MIXED
-    # under <array>/c/: coordinates, one level per dimension, the last level files
-    if spec is None:
-        return OWN
-    dims = _chunk_coords(spec, int(parts[1]), parts[2])
-    level = n - 5  # 0 for the first coordinate
-    if level >= len(dims) or not (name.isdigit() and name == str(int(name)) and int(name) < dims[level]):
+    if depth == 3:  # an array of a shard
+        return MIXED if name in (shard_arrays(spec) if spec is not None else (*ARRAYS, SCALES)) else FOREIGN
+    if depth == 4:  # the array's chunks
+        return FOREIGN if name != "c" else OWN if spec is None else MIXED
+    # below <array>/c/: one level per dimension, chunk files at the last (small arrays: c/0/0; hidden: c/r/c/0)
+    grid = _chunk_grid(spec, int(parts[1]), parts[2])
+    level = depth - 5
+    if level >= len(grid) or not (name.isdigit() and name == str(int(name)) and int(name) < grid[level]):
         return FOREIGN
-    last = level == len(dims) - 1
-    return (OWN if not is_dir else FOREIGN) if last else (MIXED if is_dir else FOREIGN)
+    return MIXED if is_dir and level < len(grid) - 1 else OWN if not is_dir and level == len(grid) - 1 else FOREIGN
 
 
-def _walk(store: Store, spec: CacheSpec | None, on_own, on_foreign) -> None:
-    """Visit every entry, calling on_own(key, is_dir) / on_foreign(key, is_dir) for the topmost of each kind."""
-    stack = [[]]
+def _walk(store: Store, spec: CacheSpec | None, on_own, on_foreign, under: str = "") -> None:
+    """Visit every entry (under the folder `under`), calling on_own(key, is_dir) / on_foreign(key, is_dir) for the
+    topmost of each kind."""
+    stack = [under.split("/") if under else []]
     while stack:
         parts = stack.pop()
         for name, is_dir in store.list_entries("/".join(parts)):
@@ -101,8 +85,9 @@ def foreign_entries(store: Store, spec: CacheSpec | None = None) -> list[str]:
     return sorted(found)
 
 
-def remove_own(store: Store, keep_lock: bool = True) -> list[str]:
-    """Delete what dflash wrote in the cache (the lock too unless keep_lock); return what was kept (foreign).
+def remove_own(store: Store, spec: CacheSpec | None = None, under: str = "", keep_lock: bool = True) -> list[str]:
+    """Delete what dflash wrote in the cache (written with `spec`, None: any), or in its folder `under` (a shard
+    about to be rewritten), the lock too unless keep_lock; return what was kept (foreign).
 
     The shards' record (shards/zarr.json) goes first and the root zarr.json last, so that an interrupted removal
     leaves a cache with fewer shards (or none), never shards without their root."""
@@ -110,21 +95,21 @@ def remove_own(store: Store, keep_lock: bool = True) -> list[str]:
     kept: list[str] = []
 
     def mine(key: str, is_dir: bool) -> None:
-        if not (keep_lock and key.startswith(LOCK_PREFIX)):
+        if not (keep_lock and key.startswith(LOCK_NAME)):
             own.append(key)
 
-    _walk(store, None, mine, lambda key, is_dir: kept.append(key + ("/" if is_dir else "")))
+    _walk(store, spec, mine, lambda key, is_dir: kept.append(key + ("/" if is_dir else "")), under)
     first = [k for k in own if k == f"{SHARDS}/zarr.json"]
     last = [k for k in own if k == "zarr.json"]
     for key in first + sorted(k for k in own if k not in first and k not in last) + last:
         store.delete_prefix(key)
-    _remove_empty_dirs(store, kept)
+    _remove_empty_dirs(store, kept, under or SHARDS)
     return sorted(kept)
 
 
-def _remove_empty_dirs(store: Store, kept: list[str]) -> None:
-    """The folders of dflash's that removal emptied (shards/NNNNNN/<array>, ...), bottom up; none holding a kept
-    entry."""
+def _remove_empty_dirs(store: Store, kept: list[str], top: str) -> None:
+    """The folders of dflash's under `top` that removal emptied (shards/NNNNNN/<array>, ...), bottom up; none
+    holding a kept entry."""
     def prune(prefix: str) -> bool:  # True: prefix is now empty and removed
         empty = True
         for name, is_dir in store.list_entries(prefix):
@@ -137,5 +122,6 @@ def _remove_empty_dirs(store: Store, kept: list[str]) -> None:
             store.delete_prefix(prefix)
         return empty
 
-    if any(name == SHARDS and is_dir for name, is_dir in store.list_entries("")):
-        prune(SHARDS)
+    parent, _, name = top.rpartition("/")
+    if (name, True) in store.list_entries(parent):
+        prune(top)

@@ -153,7 +153,8 @@ class CacheWriter:
         existing = existing_root(self.store, self.path)
         self.kept: list[str] = []  # overwrite: what was in the directory that dflash did not write (kept)
         if existing is not None and overwrite and create:
-            self.kept = remove_own(self.store)  # the old cache; the lock (dflash_cache.lock) and a user's files stay
+            # the old cache (its spec: read_root checked it) goes; the lock and a user's files stay
+            self.kept = remove_own(self.store, CacheSpec.from_metadata(existing))
             existing = None
         if existing is not None:
             if existing.get("hidden_dtype", "bfloat16") == spec.hidden_dtype and existing.get("format_version") != meta["format_version"]:
@@ -253,7 +254,7 @@ class CacheWriter:
         rows = arrays["doc_ids"].shape[0]
         T, C = self.spec.seq_len, self.spec.hidden_chunk_tokens
         base = shard_key(shard)
-        self.store.delete_prefix(base)  # whatever a crashed writer left
+        remove_own(self.store, self.spec, base)  # whatever a crashed writer left (a user's files there stay: layout.py)
         self.store.put(f"{base}/zarr.json", group_json({}))
         jobs: dict[str, list[Future]] = {}
         try:

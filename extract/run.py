@@ -176,6 +176,8 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     threads = cfg.writer_threads or writer_threads_per_rank()
     if dist.is_main:
         writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=threads, writer_id=f"rank{dist.rank}")
+        if writer.kept:  # --overwrite removed the old cache only: a user's files in the directory stay
+            print0(f"extract: --overwrite kept {len(writer.kept)} entries dflash did not write: {', '.join(writer.kept)}")
     barrier()
     if not dist.is_main:
         recorded = dflash_cache.open(cfg.out, allow_incomplete=True).metadata.get("info", {}).get("weights")

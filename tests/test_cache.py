@@ -38,7 +38,7 @@ from dflash_cache import (
     CacheWriter,
     NotACacheError,
 )
-from dflash_cache.format import root_record_json
+from dflash_cache.format import group_json, root_record_json
 
 PY = sys.executable
 HERE = Path(__file__).resolve()
@@ -132,6 +132,24 @@ def shard_files(path, shard: int) -> dict[str, bytes]:
 def commit_record(path, shard: int) -> dict:
     doc = json.loads((Path(path) / "shards" / f"{shard:06d}" / "zarr.json").read_text())
     return doc["attributes"]["dflash_commit"]
+
+
+def as_an_older_dflash_wrote_it(path, change_root=None) -> None:
+    """Make the cache at `path` look as a dflash from before root records wrote it (no record of the root in
+    shards/zarr.json, commit records without their shard index and root digest); change_root(attributes), if
+    given, then edits the root (say, drops a field that older dflash did not write)."""
+    path = Path(path)
+    (path / "shards" / "zarr.json").write_bytes(group_json({}))
+    for group in sorted((path / "shards").glob("[0-9]" * 6 + "/zarr.json")):
+        doc = json.loads(group.read_text())
+        rec = doc["attributes"].get("dflash_commit")
+        if rec is not None:
+            rec.pop("shard", None), rec.pop("root", None)
+            group.write_text(json.dumps(doc))
+    if change_root is not None:
+        doc = json.loads((path / "zarr.json").read_text())
+        change_root(doc["attributes"])
+        (path / "zarr.json").write_text(json.dumps(doc))
 
 
 def assert_same_cache(a, b) -> None:

@@ -291,11 +291,11 @@ def test_extract_resume_refuses_replaced_weights(env, tmp_path):
 def test_cache_without_fingerprint_is_checked_with_a_note(env, tmp_path):
     """A cache written before content fingerprints: `train` says the check could not be done and trains;
     `extract` resumes it with a note (decided: old caches keep working; the README says so)."""
+    from tests.test_cache import as_an_older_dflash_wrote_it
+
     cache = tmp_path / "old"
     shutil.copytree(env["cache"], cache)
-    root = json.loads((cache / "zarr.json").read_text())
-    del root["attributes"]["info"]["weights"]
-    (cache / "zarr.json").write_text(json.dumps(root))
+    as_an_older_dflash_wrote_it(cache, lambda attrs: attrs["info"].pop("weights"))
     out = ok(*train_args(env, tmp_path / "run", "--max-steps", 1, cache=cache))
     assert "records no content fingerprint" in out and "cannot check" in out
     from dflash_cache.inspect import uncommit
@@ -597,7 +597,8 @@ def test_cache_info_says_it_reads_metadata_only(env):
 
 def assert_same_but_volatile(a: Path, b: Path) -> None:
     """Every file of two caches byte-identical, except the documented volatile fields: info.run in the root's
-    zarr.json and VOLATILE_COMMIT_FIELDS (time, writer) in each shard's commit record."""
+    zarr.json (and in its record in shards/zarr.json, with the record's digest) and VOLATILE_COMMIT_FIELDS (time,
+    writer) in each shard's commit record."""
     fa, fb = tree_files(a), tree_files(b)
     assert sorted(fa) == sorted(fb)
     differ = []
@@ -608,6 +609,9 @@ def assert_same_but_volatile(a: Path, b: Path) -> None:
         ja, jb = json.loads(fa[name]), json.loads(fb[name])
         if name == "zarr.json":
             ja["attributes"]["info"].pop("run"), jb["attributes"]["info"].pop("run")
+        elif name == "shards/zarr.json":  # the root's record (format.root_record_json): its info.run, and its digest
+            for j in (ja, jb):
+                j["attributes"]["dflash_root"]["info"].pop("run"), j["attributes"].pop("dflash_root_digest")
         else:
             assert name.startswith("shards") and name.endswith("zarr.json"), name
             for j in (ja, jb):
