@@ -63,10 +63,20 @@ def judge(parts: list[str], spec: CacheSpec | None, is_dir: bool) -> str:
 def _walk(store: Store, spec: CacheSpec | None, on_own, on_foreign, under: str = "") -> None:
     """Visit every entry (under the folder `under`), calling on_own(key, is_dir) / on_foreign(key, is_dir) for the
     topmost of each kind."""
+    if store.local:
+        entries = store.list_entries
+    else:  # an object store: one listing of every key, not one per folder
+        tree: dict[str, dict[str, bool]] = {}  # folder -> {name: is a folder}
+        for key in store.list_keys(under):
+            parts = key.split("/")
+            for i, name in enumerate(parts):
+                children = tree.setdefault("/".join(parts[:i]), {})
+                children[name] = children.get(name, False) or i < len(parts) - 1
+        entries = lambda prefix: sorted(tree.get(prefix, {}).items())  # noqa: E731
     stack = [under.split("/") if under else []]
     while stack:
         parts = stack.pop()
-        for name, is_dir in store.list_entries("/".join(parts)):
+        for name, is_dir in entries("/".join(parts)):
             child = parts + [name]
             key = "/".join(child)
             verdict = judge(child, spec, is_dir)

@@ -251,7 +251,19 @@ class Store:
                     return sorted((e.name, e.is_dir(follow_symlinks=False)) for e in it)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-        return [(name, bool(self.list_dir(f"{prefix}/{name}" if prefix else name))) for name in self.list_dir(prefix)]
+        return list_children(self.list_keys(prefix), prefix)
+
+    def list_keys(self, prefix: str = "") -> list[str]:
+        """Every key (file) under prefix, recursively (one listing on an object store)."""
+        if self.local:
+            base = self._p(prefix) if prefix else self.root
+            return sorted(os.path.relpath(os.path.join(d, f), self.root).replace(os.sep, "/")
+                          for d, _, files in os.walk(base) for f in files)
+
+        async def collect():
+            return [k async for k in self._zstore.list_prefix(f"{prefix}/" if prefix else "")]
+
+        return sorted(self._sync(collect()))
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete the key or the directory of keys `prefix` (nothing if absent)."""
@@ -284,3 +296,13 @@ class Store:
             return n
 
         return self._sync(collect())
+
+
+def list_children(keys: list[str], prefix: str) -> list[tuple[str, bool]]:
+    """(name, is a directory) of the immediate children of `prefix` among `keys` (all keys under it), sorted."""
+    children: dict[str, bool] = {}
+    skip = len(prefix) + 1 if prefix else 0
+    for key in keys:
+        name, sep, _ = key[skip:].partition("/")
+        children[name] = children.get(name, False) or bool(sep)
+    return sorted(children.items())

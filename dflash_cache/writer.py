@@ -136,6 +136,8 @@ class CacheWriter:
     threads: chunk encode/write threads. max_inflight_shards: shards written at once.
     max_queued_shards: shards submitted and not yet committed (their arrays are held in memory);
     submit_shard waits while this many are pending. Default 2 * max_inflight_shards.
+    overwrite: replace an existing cache at `path`, removing only what dflash wrote there (layout.remove_own);
+    `kept` then lists the entries that stayed (a user's files and folders).
     """
 
     def __init__(self, path: str, spec: CacheSpec, *, overwrite: bool = False, threads: int = 8,
