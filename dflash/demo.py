@@ -286,18 +286,20 @@ def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str)
 
 
 def eval_figures(ev: dict[str, Any]) -> dict[str, Any]:
-    """The summary's eval figures: tau and speed-up on the held-out chitchat prompts (the in-source set; all the
-    prompts when the report has no sets), tau on the MT-Bench ones beside them (out-of-source), identical outputs
-    over all."""
-    ins = (ev.get("sets") or {}).get("in-source") or {"dflash": ev["dflash"], "ngram": ev["ngram"],
-                                                      "prompts": ev["prompts"]}
+    """The summary's eval figures: tau, speed-up and identical outputs on the held-out chitchat prompts (the
+    in-source set; all the prompts when the report has no sets), tau and identical outputs on the MT-Bench ones
+    beside them (out-of-source)."""
+    ins = (ev.get("sets") or {}).get("in-source") or {
+        "dflash": dict(ev["dflash"], identical=ev["dflash"]["outputs_identical"]), "ngram": ev["ngram"],
+        "prompts": ev["prompts"]}
     oos = (ev.get("sets") or {}).get("out-of-source")
     return {
         "tau_dflash": ins["dflash"]["tau"], "tau_ngram": ins["ngram"]["tau"],
         "speedup_dflash": ins["dflash"]["speedup"], "speedup_ngram": ins["ngram"]["speedup"],
         **({"tau_dflash_out_of_source": oos["dflash"]["tau"], "tau_ngram_out_of_source": oos["ngram"]["tau"],
+            "lossless_out_of_source": f"{oos['dflash']['identical']}/{oos['prompts']}",
             "out_of_source_prompts": oos["prompts"]} if oos else {}),
-        "lossless": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
+        "lossless": f"{ins['dflash']['identical']}/{ins['prompts']}",
         "eval_prompts": ins["prompts"],
     }
 
@@ -339,7 +341,8 @@ def format_summary(s: dict[str, Any]) -> str:
         ("tau: dflash drafter", taus(s["tau_dflash"], s.get("tau_dflash_out_of_source"))),
         ("tau: n-gram lookup", taus(s["tau_ngram"], s.get("tau_ngram_out_of_source"))),
         ("speed-up vs target alone", f"dflash {s['speedup_dflash']:.2f}x, n-gram {s['speedup_ngram']:.2f}x"),
-        ("lossless (identical outputs)", s["lossless"]),
+        ("lossless (identical outputs)", s["lossless"] + (f" held-out chitchat, {s['lossless_out_of_source']} MT-Bench"
+                                                          if s.get("lossless_out_of_source") else "")),
         ("time", ", ".join(f"{k} {v:.0f}s" for k, v in s["timings_s"].items())),
     ]
     w = max(len(k) for k, _ in rows)

@@ -266,7 +266,8 @@ def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitc
         DemoConfig(out_of_source_prompts=81)
     # the summary's figures: the in-source set's tau and speed-up, the out-of-source tau beside, lossless over all
     d = lambda n, acc, s: Decode([1] * n, accept_lengths=acc, seconds=s)  # noqa: E731
-    runs = {"target": [d(4, [1, 1, 1], 2.0), d(4, [1, 1, 1], 2.0)], "dflash": [d(4, [3, 1], 1.0), d(4, [1, 1, 1], 2.0)],
+    differs = Decode([1, 1, 1, 2], accept_lengths=[3, 1], seconds=1.0)  # not the target's output (a bf16 flip)
+    runs = {"target": [d(4, [1, 1, 1], 2.0), d(4, [1, 1, 1], 2.0)], "dflash": [differs, d(4, [1, 1, 1], 2.0)],
             "ngram": [d(4, [2, 1, 1], 2.0), d(4, [1, 2, 1], 1.0)]}
     sets, cats = groups(runs, [{"set": "in-source", "category": None}, {"set": "out-of-source", "category": None}])
     ev = {"dflash": {"tau": 1.4, "speedup": 1.5, "outputs_identical": 2}, "ngram": {"tau": 1.33, "speedup": 1.3},
@@ -274,12 +275,13 @@ def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitc
     f = eval_figures(ev)
     assert (f["tau_dflash"], f["speedup_dflash"], f["tau_ngram"]) == (2.0, 2.0, 4 / 3)
     assert (f["tau_dflash_out_of_source"], f["tau_ngram_out_of_source"], f["out_of_source_prompts"]) == (1.0, 4 / 3, 1)
-    assert f["lossless"] == "2/2" and f["eval_prompts"] == 1
+    assert f["lossless"] == "0/1" and f["lossless_out_of_source"] == "1/1" and f["eval_prompts"] == 1
     s = {"config": {"responses": "regenerate"}, "tokens_extracted": 1, "cache_bytes": 1, "cache_bytes_per_token": 1,
          "extract_tokens_per_s": 1.0, "final_loss": 1.0, "timings_s": {}, **f}
     assert "tau: dflash drafter           2.00 held-out chitchat, 1.00 MT-Bench (out-of-source)" in cpu_summary(s)
     assert "tau: n-gram lookup            1.33 held-out chitchat, 1.33 MT-Bench (out-of-source)" in cpu_summary(s)
+    assert "lossless (identical outputs)  0/1 held-out chitchat, 1/1 MT-Bench" in cpu_summary(s)
     old = eval_figures({**ev, "sets": {}})  # a report without sets (an older demo): all its prompts
-    assert old["tau_dflash"] == 1.4 and "tau_dflash_out_of_source" not in old
+    assert old["tau_dflash"] == 1.4 and "tau_dflash_out_of_source" not in old and old["lossless"] == "2/2"
     s_old = {**{k: v for k, v in s.items() if "out_of_source" not in k}, **old}
     assert "tau: dflash drafter           1.40\n" in cpu_summary(s_old)
