@@ -59,6 +59,13 @@ def test_groups_aggregate_their_own_prompts_with_known_numbers():
     assert a["dflash"]["tau"] == pytest.approx((3 + 2) / 2) and a["ngram"]["tau"] == pytest.approx(5 / 4)
     assert a["target"]["tokens_per_s"] == pytest.approx(7 / 5) and a["dflash"]["tokens_per_s"] == pytest.approx(7 / 1.5)
     assert "categories" not in a
+    # without n-gram lookup (the GPU recipe's float32 run): the table has no n-gram columns
+    no_ngram = {k: v for k, v in runs.items() if k != "ngram"}
+    s2, c2 = groups(no_ngram, labels)
+    table = format_groups({"sets": s2, "categories": c2, "prompts": 4, "dflash": {"tau": 2.5, "speedup": 2.0,
+                                                                                    "identical": 3}})
+    assert "n-gram" not in table and s2["in"]["tau_over_ngram"] is None
+    assert table.splitlines()[-1].split() == ["all", "prompts", "4", "2.50", "2.00x", "3/4"]
     # without labels: no groups, no table
     assert groups(runs, [{"set": None, "category": None}] * 4) == ({}, {})
     assert format_groups({"sets": {}, "categories": {}}) == ""
