@@ -437,12 +437,16 @@ class Cache:
         if epochs is not None and epochs < 1:
             raise CacheError(f"epochs must be >= 1 or None (endless), got {epochs}")
 
-        def plan():  # (row indices, valid) of each batch, epoch after epoch
+        def plan():  # (row indices, valid, rows whose shards must be there) of each batch, epoch after epoch
             e, first = epoch, start_step
             while epochs is None or e < epoch + epochs:
                 order, valid = self.epoch_order(batch_rows, rank, world, e, seed, window_rows)
+                # a followed cache: a rank waits for the shards of the step's whole global batch, so that the ranks
+                # wait here together, not one of them in the next all-reduce while another waits for data
+                every = self.epoch_order(batch_rows * world, 0, 1, e, seed, window_rows)[0] \
+                    if (wait is not None and world > 1 and not self.complete) else order
                 for k in range(first, len(order)):
-                    yield order[k], valid[k]
+                    yield order[k], valid[k], every[k]
                 e, first = e + 1, 0
                 if len(order) == 0:  # an empty cache has no batches in any epoch
                     return
@@ -493,7 +497,7 @@ class Cache:
             def top_up():
                 nonlocal upcoming
                 while len(pending) < prefetch and upcoming is not None and can_start():
-                    absent = missing(upcoming[0])
+                    absent = missing(upcoming[2])
                     if absent and pending:
                         return  # decode what is there; look again after the next batch
                     while absent:  # nothing else to hand out: wait for the extraction
@@ -501,8 +505,8 @@ class Cache:
                             raise CacheIncompleteError(
                                 f"cache {self.path}: shard {absent[0]} is not committed (the next batch needs it)")
                         wait(absent, served)
-                        absent = missing(upcoming[0])
-                    pending.append(start(*upcoming))
+                        absent = missing(upcoming[2])
+                    pending.append(start(*upcoming[:2]))
                     upcoming = next(it, None)
 
             top_up()

@@ -253,6 +253,27 @@ def test_a_run_begun_before_windows_resumes_in_its_own_order(env, tmp_path):
     assert [(r["step"], r["loss"]) for r in metrics(old)] == [(r["step"], r["loss"]) for r in metrics(ref)]
 
 
+def test_ranks_of_a_follower_wait_for_the_shards_of_the_whole_global_batch(tmp_path):
+    """With several ranks a rank waits for every shard of the step's global batch, its own rows' or not: the ranks
+    wait in the reader together, never one in the step's all-reduce while another waits for data."""
+    _cache(tmp_path / "c", rows=11, per_shard=2, skip=(3,))
+    c = dflash_cache.open(str(tmp_path / "c"), follow=True)
+    glob = c.epoch_order(2, 0, 1, 0, 1, window_rows=4)[0]  # 2 ranks x 1 row: the global batch of each step
+    step = next(k for k, b in enumerate(glob) if {6, 7} & set(b.tolist()))  # the first step that needs shard 3
+    rank = next(r for r in (0, 1) if glob[step][r] not in (6, 7))  # the rank whose own row is elsewhere
+    waits = []
+
+    def wait(missing, served):
+        waits.append((missing, served))
+        raise RuntimeError("stop")  # one look is enough
+
+    got = []
+    with pytest.raises(RuntimeError, match="stop"):
+        for b in c.batches(1, rank=rank, world=2, seed=1, window_rows=4, wait=wait, threads=1, prefetch=1):
+            got.append(int(b["input_ids"][0, 0]))
+    assert got == [int(glob[k][rank]) for k in range(step)] and waits == [([3], step)]
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 
 
