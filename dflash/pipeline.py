@@ -9,7 +9,8 @@ one plain process on its default device (the GPU if there is one, else the CPU).
 the trainer reads each shard once it is committed (train/follow.py) and its run equals, bit for bit, a run over the
 finished cache. Their output is forwarded line by line behind `[extract] ` and `[train] `; every --status-every
 seconds and at the end the pipeline says how far each is and at what rate (extraction: committed rows and tokens per
-second; training: rows per second and the share of time it waited for data), and the wall clock of the whole.
+second; training: rows per second and the share of time it waited for data), and the wall clock of the whole; --json
+writes both summaries and the wall clock.
 
 Rerunning the same command resumes both (extract skips committed shards, train resumes from its last checkpoint).
 When one of them fails the pipeline stops the other (SIGTERM; a kill of either resumes exactly) and exits with the
@@ -56,6 +57,7 @@ class PipelineConfig:
     extract_args: str = ""
     train_args: str = ""
     status_every: float = 60.0
+    json_out: str | None = None
 
 
 def split_args(text: str, part: str) -> list[str]:
@@ -202,10 +204,24 @@ def run_pipeline(cfg: PipelineConfig) -> int:
                 p.kill()
         for th in threads:
             th.join(timeout=5)
+    wall = time.monotonic() - t0
     if failed is None:
-        say(report(cfg, summary_json, time.monotonic() - t0, ended))
+        say(report(cfg, summary_json, wall, ended))
+    if cfg.json_out:
+        from dflash.core.io import atomic_json
+
+        atomic_json(cfg.json_out, {"exit": code, "failed": failed, "wall_s": wall, "ended_s": ended,
+                                   "extract": _read(summary_json), "train": _read(os.path.join(cfg.out, "summary.json"))})
     shutil.rmtree(tmp, ignore_errors=True)
     return code
+
+
+def _read(path: str) -> dict | None:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def report(cfg: PipelineConfig, summary_json: str, wall: float, ended: dict[str, float]) -> str:
