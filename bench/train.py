@@ -6,6 +6,13 @@ Feeds BENCHMARKS.md, "Training step", "First compiled step" and the step-per-sto
     python bench/train.py --shapes demo --steps 40 --json out.json
     python bench/train.py --shapes qwen3-8b --modes compiled:flex --hidden-dtypes bf16,fp8,fp4   # per cache dtype
     python bench/train.py --shapes qwen3-8b --profile-steps 5 --json p.json   # GPU time by kernel category
+    python bench/train.py --shapes qwen3-8b --modes compiled:flex --compile-scopes regions,step \
+        --isolate fresh,warm --budget-s 500 --json c.json   # the first compiled call on a fresh machine, and warm
+
+--isolate runs each compiled mode in new processes whose inductor and Triton caches are new empty directories:
+fresh (nothing saved: what a new machine pays), then warm (the compile artifacts the fresh run saved,
+train/compile_step.py); first_call_s is the first compiled call (forward + backward, compilation included), step_ms
+the median step after it. --compile-scopes step is the whole step as one graph (the way it was).
 
 Qwen3-8B shape (the peers' offline defaults): 5 layers, H 4096, vocab 151,936, B 16, 4 rows x 3072
 tokens, 512 anchors per row, gamma 7, bf16 weights, fused AdamW. The cache is synthetic (random
@@ -39,6 +46,10 @@ SHAPES = {
     # name: (target shape, seq_len, rows, anchors, block, drafter layers)
     "qwen3-8b": (QWEN3_8B, 3072, 4, 512, 16, 5),
     "demo": (SMOLLM2, 512, 4, 64, 16, 2),
+    # a smoke test of the script itself on a CPU (--modes eager:sdpa,compiled:sdpa)
+    "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0,
+                  rms_norm_eps=1e-6, tie_word_embeddings=False), 256, 2, 16, 4, 1),
 }
 
 
@@ -82,14 +93,16 @@ def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: 
     return path
 
 
-def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16", profile_steps=0):
+def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16", profile_steps=0,
+            scope="regions", compile_cache=None):
     from dflash.train.trainer import Trainer, TrainConfig
 
     _, T, rows, anchors, block, layers = shape
     shutil.rmtree(out, ignore_errors=True)
     cfg = TrainConfig(cache=cache, target=target, out=out, drafter_layers=layers, block_size=block, num_anchors=anchors,
                       batch_rows=rows, max_steps=steps, log_every=log_every, save_every=10**9, compile=compile_,
-                      attn=attn, param_dtype=dtype, progress=False, overwrite=True, loader_threads=8)
+                      attn=attn, param_dtype=dtype, progress=False, overwrite=True, loader_threads=8,
+                      compile_scope=scope, compile_cache=compile_cache)
     tr = Trainer(cfg)
     prof = None
     n = min(profile_steps, steps - 2)  # the last n steps under torch.profiler (one warm-up step before them)
@@ -126,6 +139,8 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
         "loss_first": res["history"][0]["loss"], "loss_last": res["history"][-1]["loss"],
         "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None,
         "compiled_kept": tr.compiled, "compile_check": tr.check,  # a failed check trains (and times) eagerly
+        "scope": scope if compile_ == "on" else None, "first_compiled_call": tr.first_call,
+        "first_call_s": (tr.first_call or {}).get("seconds"), "caches": (tr.first_call or {}).get("caches"),
     }
     if prof is not None:
         try:  # a profiler failure must not lose the timing
@@ -141,7 +156,39 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
     return r
 
 
+def run_isolated(kw: dict, phase: str, artifacts: str, timeout: float) -> dict:
+    """run_one in a new process whose inductor and Triton caches are new empty directories (a fresh machine, as far
+    as compiling goes). fresh: no saved artifacts (the run saves its own in `artifacts`); warm: it loads those."""
+    import subprocess
+    import time
+
+    if phase == "fresh":
+        shutil.rmtree(artifacts, ignore_errors=True)
+    elif not os.path.isdir(artifacts):
+        return {"error": f"warm needs the artifacts of a fresh run first ({artifacts})"}
+    empty = tempfile.mkdtemp(prefix=f"dflash-{phase}-caches-")
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=os.path.join(empty, "inductor"),
+               TRITON_CACHE_DIR=os.path.join(empty, "triton"))
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", json.dumps(dict(kw, compile_cache=artifacts))],
+                           env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired:
+        return {"error": f"cut after {timeout:.0f} s (--budget-s)", "process_s": time.perf_counter() - t0}
+    finally:
+        shutil.rmtree(empty, ignore_errors=True)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        return {"error": (p.stderr or p.stdout)[-600:], "process_s": time.perf_counter() - t0}
+    return dict(json.loads(lines[-1]), process_s=time.perf_counter() - t0)
+
+
 def main():
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":  # one run_isolated measurement
+        kw = json.loads(sys.argv[2])
+        kw["shape"] = SHAPES[kw.pop("shape_name")]
+        print(json.dumps(run_one(**kw), default=str), flush=True)
+        return
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="qwen3-8b,demo")
     ap.add_argument("--steps", type=int, default=30)
@@ -152,8 +199,19 @@ def main():
     ap.add_argument("--profile-steps", type=int, default=0,
                     help="GPU time of the last N steps of each mode by kernel category (torch.profiler; "
                          "those steps end on a device sync)")
+    ap.add_argument("--compile-scopes", default="regions",
+                    help="comma list for the compiled modes: regions (the default step), step (one graph, as before)")
+    ap.add_argument("--isolate", default="",
+                    help="comma list of fresh,warm: each compiled mode in new processes with empty inductor/Triton "
+                         "caches: fresh (nothing saved) then warm (the artifacts the fresh run saved)")
+    ap.add_argument("--budget-s", type=float, default=0.0,
+                    help="with --isolate: stop each run at what is left of this many seconds (0: no limit)")
+    ap.add_argument("--cache-rows", type=int, default=0, help="rows of the synthetic cache (default: 8 batches, >= 32)")
     ap.add_argument("--json")
     a = ap.parse_args()
+    import time
+
+    t_start = time.perf_counter()
     from dflash_cache import quant
     wd = a.workdir or ("/dev/shm/dflash-bench-train" if os.path.isdir("/dev/shm") else tempfile.mkdtemp())
     os.makedirs(wd, exist_ok=True)
@@ -167,26 +225,39 @@ def main():
 
         for hdt, mode in [(d, m) for d in a.hidden_dtypes.split(",") for m in a.modes.split(",")]:
             suffix = "" if hdt == "bf16" else f"-{hdt}"
-            cache = synthetic_cache(os.path.join(wd, f"cache-{name}{suffix}"), target, T, max(32, rows * 8),
+            cache = synthetic_cache(os.path.join(wd, f"cache-{name}{suffix}"), target, T, a.cache_rows or max(32, rows * 8),
                                     default_layer_ids(tshape["num_hidden_layers"]), hidden_dtype=quant.resolve(hdt))
             comp, attn = mode.split(":")
             if attn == "flex" and dev == "cpu":
                 continue
-            try:
-                r = run_one(cache, target, os.path.join(wd, f"run-{name}-{comp}-{attn}"), shape,
-                            "on" if comp == "compiled" else "off", attn, a.steps, a.log_every,
-                            profile_steps=a.profile_steps)
-            except Exception as e:  # noqa: BLE001 - a failed mode is a result too (e.g. out of memory)
-                r = {"compile": "on" if comp == "compiled" else "off", "attn": attn, "error": repr(e)[:300]}
-                gc.collect()
-                torch.cuda.empty_cache() if torch.cuda.is_available() else None
-            r["shape"] = name
-            r["hidden_dtype"] = hdt
-            results.append(r)
-            print(json.dumps(r), flush=True)
-            if a.json:  # written after every mode, so a run cut short still leaves its results
-                with open(a.json, "w") as f:
-                    json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f, indent=2)
+            scopes = a.compile_scopes.split(",") if comp == "compiled" else ["regions"]
+            phases = [p for p in a.isolate.split(",") if p] if comp == "compiled" else []
+            for scope, phase in [(sc, ph) for sc in scopes for ph in (phases or [None])]:
+                out = os.path.join(wd, f"run-{name}-{comp}-{attn}-{scope}")
+                kw = dict(cache=cache, target=target, out=out, compile_="on" if comp == "compiled" else "off",
+                          attn=attn, steps=a.steps, log_every=a.log_every, profile_steps=a.profile_steps, scope=scope)
+                if phase:
+                    left = a.budget_s - (time.perf_counter() - t_start) if a.budget_s else 3600.0
+                    r = run_isolated(dict(kw, shape_name=name), phase, os.path.join(wd, f"artifacts-{name}-{scope}"),
+                                     left)
+                    r.setdefault("compile", kw["compile_"])
+                    r.setdefault("attn", attn)
+                    r["scope"], r["phase"] = scope, phase
+                else:
+                    try:
+                        r = run_one(shape=shape, **kw)
+                    except Exception as e:  # noqa: BLE001 - a failed mode is a result too (e.g. out of memory)
+                        r = {"compile": kw["compile_"], "attn": attn, "error": repr(e)[:300]}
+                        gc.collect()
+                        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+                r["shape"] = name
+                r["hidden_dtype"] = hdt
+                results.append(r)
+                print(json.dumps(r, default=str), flush=True)
+                if a.json:  # written after every mode, so a run cut short still leaves its results
+                    with open(a.json, "w") as f:
+                        json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f,
+                                  indent=2, default=str)
     by = {(r["shape"], r["hidden_dtype"], r["compile"], r["attn"]): r for r in results}
     for name in a.shapes.split(","):
         for hdt in a.hidden_dtypes.split(","):
@@ -194,11 +265,12 @@ def main():
             if e and c and "step_ms" in e and "step_ms" in c:
                 c["speedup_vs_eager"] = e["step_ms"] / c["step_ms"]
     print(f"\nhardware: {hardware()}, torch {torch.__version__}")
-    print(table(results, ["shape", "hidden_dtype", "compile", "attn", "step_ms", "ctx_tok_s", "block_tok_s", "tflops", "mfu",
-                          "recompiles", "data_wait", "speedup_vs_eager", "peak_mem_gib", "loss_first", "loss_last", "error"]))
+    print(table(results, ["shape", "hidden_dtype", "compile", "attn", "scope", "phase", "first_call_s", "caches",
+                          "step_ms", "ctx_tok_s", "block_tok_s", "tflops", "mfu", "recompiles", "data_wait",
+                          "speedup_vs_eager", "peak_mem_gib", "loss_first", "loss_last", "error"]))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f, indent=2)
+            json.dump({"hardware": hardware(), "torch": torch.__version__, "results": results}, f, indent=2, default=str)
 
 
 if __name__ == "__main__":

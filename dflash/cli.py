@@ -249,6 +249,11 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--attn", type=click.Choice(["auto", "flex", "split", "sdpa"]),
         help="Attention: flex (GPU), split (context and own block apart, exact), sdpa (dense mask, the reference).",
         default_text="flex on GPU, split on CPU")
+@option("--compile-scope", type=click.Choice(["regions", "step"]),
+        help="regions: the blocks and layers as one graph, the loss's chunk compiled once (fast to compile); step: "
+             "the whole step as one graph (the loss's chunks unrolled).")
+@option("--compile-cache", help="Where the compiled step's artifacts are saved and loaded from (a restart or a fresh "
+        "machine then skips the kernel builds), or 'off'.", default_text="RUN/compile")
 @option("--param-dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Weights.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--log-every", type=int, help="Steps between metric logs (the only host syncs).")
 @option("--save-every", type=int, help="Steps between checkpoints.")
@@ -301,6 +306,7 @@ def train(preset, gpus, no_progress, **flags):
 @click.option("--train-args", default="", help='More `dflash train` flags, as one string: "--epochs 2".')
 @click.option("--status-every", type=float, default=60.0, show_default=True,
               help="Seconds between the lines that say how far both are.")
+@click.option("--json", "json_out", help="Also write both summaries and the wall clock to this JSON file.")
 def pipeline(**kw):
     """Extract and train at the same time: `dflash extract` and `dflash train --follow` as two jobs.
 
@@ -310,7 +316,7 @@ def pipeline(**kw):
     """
     from dflash.core.paths import check_output_dir
 
-    check_paths(out=kw["out"], target=kw["target"], data=kw["data"])
+    check_paths(json=kw["json_out"], out=kw["out"], target=kw["target"], data=kw["data"])
     check_output_dir(kw["cache"], "cache")
     from dflash.pipeline import PipelineConfig, run_pipeline
 

@@ -57,6 +57,8 @@ class TrainConfig:
     attn: str = "auto"  # flex on GPU, split on CPU (train/attention.py); sdpa = the dense-mask reference
     compile: str = "auto"  # on (GPU), off (CPU), or force either
     compile_check: bool = True  # check the compiled step against an eager reference on the first batch
+    compile_scope: str = "regions"  # train/compile_step.py: regions (the loss's chunk compiled once) or step (one graph)
+    compile_cache: str | None = None  # saved compile artifacts: None = RUN/compile, "off" = none
     loader_threads: int = 4
     prefetch: int = 4
     # bookkeeping
@@ -102,6 +104,7 @@ class TrainConfig:
         check(self.param_dtype in ("auto", "bfloat16", "float32"), "param_dtype", "must be auto, bfloat16 or float32")
         check(self.attn in ("auto", "flex", "split", "sdpa"), "attn", "must be auto, flex, split or sdpa")
         check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
+        check(self.compile_scope in ("regions", "step"), "compile_scope", f"must be regions or step, got {self.compile_scope!r}")
         check(self.log_every >= 1, "log_every", f"must be >= 1, got {self.log_every}")
         check(self.save_every >= 1, "save_every", f"must be >= 1, got {self.save_every}")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")

@@ -315,8 +315,17 @@ class DFlashDrafter(nn.Module):
     # -- training: many blocks per packed row ----------------------------------------------------
     def forward_train(self, hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int,
                       gamma: float = 7.0, hidden_scales=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss and metrics of a packed batch: forward_slots, then the chunked loss (step 4)."""
+        h, blocks = self.forward_slots(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, hidden_scales)
+        return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
+
+    def forward_slots(self, hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int,
+                      hidden_scales=None) -> tuple[torch.Tensor, Blocks]:
+        """Steps 1-3 over a packed batch: its blocks and their normalised slot outputs h [R, N, B-1, H] (what the
+        loss reads). The compiled step compiles this part as one graph and the loss's chunk apart
+        (train/compile_step.py)."""
         blocks, masks = self.prepare(input_ids, loss_mask, doc_ids, anchor_scores, num_anchors)
-        return self.forward_blocks(hidden, blocks, masks, gamma, hidden_scales)
+        return self.slot_outputs(hidden, blocks, masks, hidden_scales), blocks
 
     def prepare(self, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int):
         """A batch's blocks (anchors, block tokens, labels, positions) and attention masks, one per window."""
@@ -333,6 +342,11 @@ class DFlashDrafter(nn.Module):
 
     def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0, hidden_scales=None):
         """Loss and metrics of the drafter over prepared blocks (see prepare) and the context's hidden states."""
+        h = self.slot_outputs(hidden, blocks, masks, hidden_scales)
+        return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
+
+    def slot_outputs(self, hidden, blocks: Blocks, masks: dict, hidden_scales=None) -> torch.Tensor:
+        """The normalised outputs h [R, N, B-1, H] of slots 1..B-1 over prepared blocks."""
         R, N, B = blocks.tokens.shape
         ctx = self.fuse_context(hidden, hidden_scales)  # [R, T, H]
         x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
@@ -341,8 +355,7 @@ class DFlashDrafter(nn.Module):
         q_cos, q_sin = rope_cos_sin(self.inv_freq, blocks.positions.view(R, N * B), dtype)
         for layer in self.layers:
             x = self._layer(layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, masks[layer.self_attn.window])
-        h = self.norm(x.view(R, N, B, -1)[:, :, 1:])  # slots 1..B-1: [R, N, B-1, H]
-        return chunked_block_loss(h, self.lm_head_weight, blocks, gamma)
+        return self.norm(x.view(R, N, B, -1)[:, :, 1:])  # slots 1..B-1: [R, N, B-1, H]
 
     def _layer(self, layer: Layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, mask):
         """One layer in training: the context features' keys/values [R, nkv, T, hd], then the layer."""

@@ -45,6 +45,7 @@ from dflash.core.target import load_config, load_tokenizer, target_info, text_co
 from dflash.core.weights import check_roles
 
 from .compile_check import check_and_report, compile_count
+from .compile_step import cache_counters
 from .config import NonFiniteLoss, TrainConfig, TrainError
 from .metrics import TrainMetrics, init_wandb
 from .model import DFlashDrafter, DrafterConfig
@@ -170,11 +171,17 @@ class Trainer:
             self._restore(ck)
         elif self.dist.is_main:  # a run killed before its first checkpoint starts over: forget what it logged
             drop_metrics_after(cfg.out, 0)
-        fwd = self.model.forward_train
-        if self.compiled:
-            mode = "reduce-overhead" if self.cuda else None
-            fwd = torch.compile(fwd, mode=mode, dynamic=False, fullgraph=True)
-        self.fwd = fwd
+        self.fwd = self.model.forward_train
+        self.artifacts, self.artifacts_note = None, ""
+        self.first_call: dict[str, Any] | None = None  # the first compiled call: seconds, phases, caches
+        if self.compiled:  # train/compile_step.py: the scope, and the saved artifacts that spare a new process
+            from .compile_step import CompileArtifacts, compile_step
+
+            where = None if cfg.compile_cache == "off" else (cfg.compile_cache or os.path.join(cfg.out, "compile"))
+            self.artifacts = CompileArtifacts(where, self.step_key(hidden_dtype=cache.hidden_dtype, T=T))
+            self.artifacts_note = self.artifacts.load()
+            print0(f"train: {self.artifacts_note}")
+            self.fwd = compile_step(self.model, cfg.compile_scope, self.cuda)
         self.nparams = n
         self.flops = step_flops(self.dcfg, cfg.batch_rows * cfg.grad_accum, T, cfg.num_anchors)
         self.gen = torch.Generator(device=dev)
@@ -188,15 +195,38 @@ class Trainer:
         self.pinned = None
         self.val_time = 0.0  # seconds of validation inside the current window (not step time)
 
+    def step_key(self, **more) -> dict[str, Any]:
+        """What the compiled step's code depends on (the key of its saved artifacts)."""
+        cfg = self.cfg
+        return {"drafter": self.dcfg.to_dict(), "batch_rows": cfg.batch_rows, "num_anchors": cfg.num_anchors,
+                "gamma": cfg.gamma, "attn": self.attn, "param_dtype": str(self.param_dtype),
+                "scope": cfg.compile_scope, "device": self.dev.type, **more}
+
     def verify_compiled(self, x: dict, scores: torch.Tensor) -> None:
         """Check the compiled step against the eager one once; on disagreement train eagerly (compile_check.py)."""
         cfg = self.cfg
         args = (x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores, cfg.num_anchors, cfg.gamma,
                 x.get("hidden_scales"))
+        before = cache_counters()
         self.check, passed = check_and_report(self.fwd, self.model, self.params, args, self.cuda, self.dist)
+        self.note_first_call(self.check["compiled_s"], self.check.get("compile_phases", {}), before)
         if not passed:
             self.compiled = False
             self.fwd = self.model.forward_train
+
+    def note_first_call(self, seconds: float, phases: dict, before: dict[str, int]) -> None:
+        """The first compiled call (forward + backward of one micro-batch, compilation included): how long, where
+        the time went, and whether its graphs were built (fresh) or came from inductor's cache (warm)."""
+        after = cache_counters()
+        got = {k: after[k] - before.get(k, 0) for k in after}
+        state = ("warm" if got["fx_graph_cache_hit"] and not got["fx_graph_cache_miss"] else
+                 "fresh" if got["fx_graph_cache_miss"] and not got["fx_graph_cache_hit"] else
+                 "partly warm" if got["fx_graph_cache_hit"] else "no inductor cache")
+        self.first_call = {"seconds": round(seconds, 2), "caches": state, **got, "scope": self.cfg.compile_scope,
+                           "artifacts": self.artifacts_note, "phases": phases}
+        if self.check is None:  # the check's line says it otherwise
+            print0(f"train: first compiled call {seconds:.0f} s ({state}: {got['fx_graph_cache_miss']} graphs built, "
+                   f"{got['fx_graph_cache_hit']} from the cache; scope {self.cfg.compile_scope})")
 
     def _restore(self, ck: str) -> None:
         st = load_checkpoint(ck, self.model, self.opt, self.dev)
@@ -273,6 +303,10 @@ class Trainer:
                 if self.compiled and self.step == min(3, self.total_steps):
                     compiles_at_warm = compile_count()
                     dynamo.config.error_on_recompile = True  # a recompile after warm-up fails loudly
+                    if dist.is_main and self.artifacts is not None and not self.artifacts.loaded:
+                        note = self.artifacts.save()  # every graph of the step is built by now
+                        if note:
+                            print0(f"train: {note}")
                 is_log = self.step % cfg.log_every == 0 or self.step == self.total_steps
                 is_save = self.step % cfg.save_every == 0 or self.step == self.total_steps
                 if is_log or is_save:
@@ -295,7 +329,7 @@ class Trainer:
         out = {"steps": self.step, "history": self.history, "elapsed_s": elapsed, "steps_this_run": steps_done,
                "data_wait_frac": window.wait_total / elapsed if elapsed > 0 else 0.0,
                "recompiles_after_warmup": recompiles, "final": os.path.join(cfg.out, "final"), "params": self.nparams,
-               "compiled": self.compiled, "compile_check": self.check,
+               "compiled": self.compiled, "compile_check": self.check, "first_compiled_call": self.first_call,
                "val": next((h for h in reversed(self.history) if "val_loss" in h), None)}
         if self.follower is not None:
             out["follow"] = self.follower.summary()
@@ -328,11 +362,16 @@ class Trainer:
             scores = self.anchor_scores(micro, x["input_ids"].shape[0], T)
             if self.compiled and cfg.compile_check and self.check is None:
                 self.verify_compiled(x, scores)
+            timed = self.compiled and self.first_call is None  # unchecked: time the first compiled call here
+            if timed:
+                t0, before = self.synced_time(), cache_counters()
             if self.compiled and self.cuda:
                 torch.compiler.cudagraph_mark_step_begin()
             loss, met = self.fwd(x["hidden"], x["input_ids"], x["loss_mask"], x["doc_ids"], scores,
                                  cfg.num_anchors, cfg.gamma, x.get("hidden_scales"))
             loss.backward()
+            if timed:
+                self.note_first_call(self.synced_time() - t0, {}, before)
             grads = [p.grad for p in self.params]
             if a == 0:
                 torch._foreach_copy_(self.grad_views, grads)
@@ -352,6 +391,11 @@ class Trainer:
         for p in self.params:
             p.grad = None
         return waited
+
+    def synced_time(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize(self.dev)
+        return time.perf_counter()
 
     def validate(self) -> dict | None:
         """The held-out metrics of --val-cache (train/validate.py), on rank 0; every rank waits. Its time is not

@@ -1,0 +1,162 @@
+"""How the training step is compiled, and how a new process skips most of that work.
+
+Scopes (TrainConfig.compile_scope, `dflash train --compile-scope`):
+  regions (the default): model.forward_slots (the blocks, their masks, fc, the decoder layers, the final norm) is one
+      graph, fullgraph, CUDA graphs on a GPU (mode reduce-overhead). The loss runs its chunk loop in Python, every
+      chunk through one compiled linear_ce_chunk (no CUDA graph: a few launches per chunk), compiled once for the
+      chunk's shape and reused by every chunk and step (train/loss.even_chunk makes the chunks one shape).
+  step: the whole forward_train as one graph, the way it was. Inside one graph the chunk loop is unrolled, and each
+      chunk gets its own copies of the loss's fused kernels (the chunk's slice offsets are constants in their code),
+      so a fresh machine builds the loss's kernels once per chunk: at the Qwen3-8B shape the first compiled call took
+      261 s there, 219 s of it waiting for inductor's kernel builds, nearly all in the forward graph (the backward,
+      which holds every layer's backward but no loss kernel, built in 8-15 s). Kept to measure against
+      (bench/train.py --compile-scopes regions,step).
+  The repeated decoder layers need no region of their own: their kernels are identical source, which inductor builds
+  once per graph.
+
+Artifacts (torch's "mega-cache"): once the first compiled step has run (and passed its check), rank 0 saves
+torch.compiler.save_cache_artifacts() (inductor's graphs, AOT autograd's, the built Triton kernels) as
+DIR/<key>.bin, then DIR/<key>.json: its size and sha256, the torch / Triton / CUDA versions, the device, and the step
+it is for (the key hashes the drafter config, batch shape, dtype, attention, scope and mode). DIR is RUN/compile by
+default (--compile-cache DIR shares it between runs; 'off': none). Before compiling, every rank loads the file
+whose record matches this process (same key, versions, device) and whose bytes have that size and checksum; inductor
+then finds its kernels built (a restart, a resume on a fresh machine that has the run directory). Any mismatch is
+a note and the file is not loaded: an artifact is never trusted unchecked. The files hold pickled compiler state:
+load only directories you wrote.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import platform
+from typing import Any, Callable
+
+import torch
+
+from dflash.core.io import atomic_json, atomic_write, short_hash
+
+from .blocks import Blocks
+from .loss import chunked_block_loss, linear_ce_chunk
+
+SCOPES = ("regions", "step")
+_BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(Blocks))
+
+
+def compile_step(model, scope: str, cuda: bool) -> Callable:
+    """The compiled step: a function with forward_train's signature returning (loss, metrics). Compiles lazily (at
+    its first call), as torch.compile does."""
+    mode = "reduce-overhead" if cuda else None
+    if scope == "step":
+        return torch.compile(model.forward_train, mode=mode, dynamic=False, fullgraph=True)
+    if scope != "regions":
+        raise ValueError(f"compile scope must be one of {SCOPES}, got {scope!r}")
+
+    def slots(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, hidden_scales):
+        h, blocks = model.forward_slots(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors,
+                                        hidden_scales)
+        return h, tuple(getattr(blocks, name) for name in _BLOCK_FIELDS)  # plain tensors out of the graph
+
+    trunk = torch.compile(slots, mode=mode, dynamic=False, fullgraph=True)
+    chunk = torch.compile(linear_ce_chunk, dynamic=False, fullgraph=True)
+
+    def step(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, gamma: float = 7.0,
+             hidden_scales=None):
+        h, parts = trunk(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, hidden_scales)
+        return chunked_block_loss(h, model.lm_head_weight, Blocks(*parts), gamma, chunk)
+
+    return step
+
+
+def environment() -> dict[str, Any]:
+    """What compiled code depends on besides the step: versions and the device."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 - no Triton (a CPU build): none recorded
+        triton_version = None
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu"
+    return {"torch": torch.__version__, "triton": triton_version, "cuda": torch.version.cuda, "device": device,
+            "python": platform.python_version()}
+
+
+class CompileArtifacts:
+    """The saved compile artifacts of one step in `directory` (the module docstring): load() before compiling,
+    save() after the first compiled step. Both return a one-line note of what they did."""
+
+    def __init__(self, directory: str | None, step: dict[str, Any]):
+        self.dir = directory
+        self.env = environment()
+        self.step = step
+        self.key = short_hash(json.dumps(step, sort_keys=True, default=str))
+        self.loaded = False
+
+    @property
+    def paths(self) -> tuple[str, str]:
+        return os.path.join(self.dir, f"{self.key}.bin"), os.path.join(self.dir, f"{self.key}.json")
+
+    def load(self) -> str:
+        if not self.dir:
+            return "compile artifacts off"
+        data_path, rec_path = self.paths
+        if not os.path.exists(rec_path):
+            return f"no compile artifacts for this step in {self.dir}"
+        try:
+            with open(rec_path) as f:
+                rec = json.load(f)
+            with open(data_path, "rb") as f:
+                data = f.read()
+        except (OSError, ValueError) as e:
+            return f"compile artifacts {data_path} ignored: unreadable ({e})"
+        why = self._mismatch(rec, data)
+        if why:
+            return f"compile artifacts {data_path} ignored: {why}"
+        try:
+            torch.compiler.load_cache_artifacts(data)
+        except Exception as e:  # noqa: BLE001 - a cache that cannot be loaded only costs the compile time
+            return f"compile artifacts {data_path} ignored: torch could not load them ({type(e).__name__}: {e})"
+        self.loaded = True
+        return f"loaded compile artifacts {data_path} ({len(data) / 2**20:.1f} MiB, checked)"
+
+    def _mismatch(self, rec: dict, data: bytes) -> str | None:
+        if rec.get("key") != self.key or rec.get("step") != json.loads(json.dumps(self.step, default=str)):
+            return "written for another step"
+        for k, v in self.env.items():
+            if rec.get("env", {}).get(k) != v:
+                return f"written with {k} {rec.get('env', {}).get(k)!r}, this process has {v!r}"
+        if rec.get("bytes") != len(data):
+            return f"{len(data)} bytes, its record says {rec.get('bytes')} (truncated or replaced)"
+        if rec.get("sha256") != hashlib.sha256(data).hexdigest():
+            return "checksum mismatch (damaged or replaced)"
+        return None
+
+    def save(self) -> str:
+        if not self.dir:
+            return ""
+        try:
+            got = torch.compiler.save_cache_artifacts()
+        except Exception as e:  # noqa: BLE001 - saving is an optimisation: never stop a run for it
+            return f"compile artifacts not saved: {type(e).__name__}: {e}"
+        if not got:
+            return "compile artifacts not saved: torch has none to give"
+        data = got[0]
+        data_path, rec_path = self.paths
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            atomic_write(data_path, data)
+            atomic_json(rec_path, {"key": self.key, "step": self.step, "env": self.env, "bytes": len(data),
+                                   "sha256": hashlib.sha256(data).hexdigest()})  # the record last: it vouches
+        except OSError as e:
+            return f"compile artifacts not saved ({e})"
+        return f"saved compile artifacts {data_path} ({len(data) / 2**20:.1f} MiB)"
+
+
+def cache_counters() -> dict[str, int]:
+    """How many compiled graphs inductor took from its cache (hit) or built (miss) so far in this process."""
+    from torch._dynamo.utils import counters
+
+    c = counters["inductor"]
+    return {"fx_graph_cache_hit": int(c.get("fxgraph_cache_hit", 0)), "fx_graph_cache_miss": int(c.get("fxgraph_cache_miss", 0))}
