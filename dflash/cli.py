@@ -445,6 +445,10 @@ def demo(no_progress, **kw):
     one H200 (17 min 23 s from nothing, measured). Rerun to resume.
     """
     check_output_dir(kw.get("workdir"), "workdir")
+    if kw.get("device") not in (None, "auto"):  # before minutes of preparation, not at the first stage that uses it
+        from dflash.core.dist import parse_device
+
+        parse_device(kw["device"])
     run_demo(DemoConfig(**kw, progress=not no_progress))
 
 

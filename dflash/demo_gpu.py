@@ -38,7 +38,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from dflash.core.config import ConfigError, build, check, read_preset
+from dflash.core.config import ConfigError, build, check, coerce_all, read_preset
 from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.demo_assets import smollm2_gguf
 from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
@@ -356,7 +356,7 @@ def load_recipe(preset: str = PRESET) -> GpuRecipe:
     if bad:
         raise ConfigError(f"--config: unknown key {bad[0]!r} in the recipe section of {preset} "
                           f"(known: {', '.join(sorted(known))})")
-    return GpuRecipe(**fields)
+    return GpuRecipe(**coerce_all(GpuRecipe, fields, preset))  # typed as the stages' presets are
 
 
 def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,

@@ -181,6 +181,16 @@ def coerce(name: str, value, hint) -> Any:
     return value
 
 
+def coerce_all(cls, values: dict[str, Any], preset: str | None) -> dict[str, Any]:
+    """Preset `values` of the dataclass `cls`, each coerced to its field's type; a bad one is a ConfigError naming the
+    flag and the preset."""
+    hints = typing.get_type_hints(cls)
+    try:
+        return {k: coerce(k, v, hints[k]) for k, v in values.items()}
+    except ConfigError as e:
+        raise ConfigError(f"{e} (set by --config {preset})", e.field) from None
+
+
 def build(cls: type[C], preset: str | None, section: str, flags: dict[str, Any]) -> C:
     """cls(**defaults | preset[section] | flags that were given); unknown keys are errors. Preset values are coerced
     to their fields' types (coerce); a flag of one of cls.EXCLUSIVE's pairs drops the preset's other member."""
@@ -189,11 +199,7 @@ def build(cls: type[C], preset: str | None, section: str, flags: dict[str, Any])
     unknown = sorted(set(values) - names)
     if unknown:
         raise ConfigError(f"--config: unknown setting(s) {', '.join(unknown)} in section '{section}' of {preset}")
-    hints = typing.get_type_hints(cls)
-    try:
-        values = {k: coerce(k, v, hints[k]) for k, v in values.items()}
-    except ConfigError as e:
-        raise ConfigError(f"{e} (set by --config {preset})", e.field) from None
+    values = coerce_all(cls, values, preset)
     given = {k: v for k, v in flags.items() if v is not None and k in names}
     for group in getattr(cls, "EXCLUSIVE", ()):
         if any(k in given for k in group):
