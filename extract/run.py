@@ -286,7 +286,9 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
     copied: list[torch.cuda.Event | None] = [None] * len(gbufs)
     pending: list[tuple[int, int, dict, Any]] = []  # (shard, slot, arrays, event of its last copy)
     total = sum(len(docs[d][0]) for s in todo for r in _row_range(spec, s) for d in plan[r])
-    bar = progress.bar(show, total=total, unit="tok", unit_scale=True, desc="extract")  # ETA timed after batch 1
+    # the ETA's rate is timed after the first batch on a GPU (it builds the kernels); on a CPU, where a few large
+    # batches may be all there is, from the start
+    bar = progress.bar(show, total=total, unit="tok", unit_scale=True, desc="extract", warmup=1 if cuda else 0)
     done = 0
     nbatch = 0
 
