@@ -20,6 +20,7 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
     CleanErrors,
     argv_without_gpus,
     check_paths,
+    check_tokenize_cache,
     known_errors,
     option,
     refuse_gpus_under_torchrun,
@@ -197,8 +198,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
     flags["layers"] = parse_int_list(flags["layers"], "layers")
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     cfg = build(ExtractConfig, preset, "extract", flags)  # before --gpus: a bad setting fails once, not in every rank
-    check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, tokenize_cache=cfg.tokenize_cache,
-                data=cfg.data, target=cfg.target)
+    check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, data=cfg.data, target=cfg.target)
+    check_tokenize_cache(cfg.tokenize_cache)
     check_target(cfg.target)
     relaunch_with_gpus(gpus, "extract")
     summary = run_extract(cfg)

@@ -6,6 +6,7 @@ dataclass default (ConfigOption / option).
 from __future__ import annotations
 
 import functools
+import os
 import sys
 
 import click
@@ -46,10 +47,10 @@ def known_errors() -> tuple[type[Exception], ...]:
 INPUT_KINDS = {"cache": "dir", "val_cache": "dir", "drafter": "dir", "chat_template": "file"}
 
 
-def check_paths(json=None, plot=None, chat_template=None, out=None, tokenize_cache=None, read=None, **inputs) -> None:
+def check_paths(json=None, plot=None, chat_template=None, out=None, read=None, **inputs) -> None:
     """Every path a command will write or read is checked before the work starts (dflash.core.paths): outputs
-    (json, plot: files; out, tokenize_cache: directories) can be written, inputs exist and can be read (`read` and
-    `inputs`: flag -> path), and `inputs` (data, target) lie outside --out."""
+    (json, plot: files; out: a directory) can be written, inputs exist and can be read (`read` and `inputs`: flag ->
+    path), and `inputs` (data, target) lie outside --out."""
 
     check_output_file(json, "json")
     check_output_file(plot, "plot")
@@ -58,9 +59,18 @@ def check_paths(json=None, plot=None, chat_template=None, out=None, tokenize_cac
     for name, path in {**inputs, **(read or {})}.items():
         check_input_path(path, name, INPUT_KINDS.get(name, "any"))
     check_output_dir(out, "out")
-    if tokenize_cache and tokenize_cache != "off":
-        check_output_dir(tokenize_cache, "tokenize_cache")
     check_apart(out, **inputs)
+
+
+def check_tokenize_cache(setting: str | None) -> None:
+    """extract's tokenise cache directory can be written: --tokenize-cache DIR, else $DFLASH_TOKENIZE_CACHE (the
+    default under ~/.cache is left to the first write)."""
+    if setting == "off":
+        return
+    if setting:
+        check_output_dir(setting, "tokenize_cache")
+    elif os.environ.get("DFLASH_TOKENIZE_CACHE"):
+        check_output_dir(os.environ["DFLASH_TOKENIZE_CACHE"], "tokenize_cache", label="$DFLASH_TOKENIZE_CACHE")
 
 
 def refuse_gpus_under_torchrun(gpus: str | None) -> None:

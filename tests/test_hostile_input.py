@@ -394,6 +394,14 @@ def test_unreadable_input_directory(world, tmp_path, unreadable_dir, cmd, flag):
     error_line(*cli(*command(cmd, world, tmp_path, **{flag: unreadable_dir})), f"--{flag}", str(unreadable_dir))
 
 
+def test_tokenize_cache_from_the_environment_is_checked(world, tmp_path, monkeypatch):
+    """Before: $DFLASH_TOKENIZE_CACHE naming a file was a FileExistsError traceback after the data was read."""
+    f = a_file(tmp_path)
+    monkeypatch.setenv("DFLASH_TOKENIZE_CACHE", str(f))
+    error_line(*cli(*command("extract", world, tmp_path)), "$DFLASH_TOKENIZE_CACHE", str(f))
+    ok(*command("extract", world, tmp_path, **{"tokenize-cache": "off"}))  # off: the variable is not used
+
+
 def test_cache_commands_on_bad_paths(world, tmp_path):
     for p in (tmp_path / "missing", dangling(tmp_path), a_file(tmp_path), an_empty_dir(tmp_path)):
         for sub in ("info", "verify"):

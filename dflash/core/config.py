@@ -53,7 +53,7 @@ def flag(name: str) -> str:
 
 
 class PresetLoader(yaml.SafeLoader):
-    """yaml.SafeLoader with YAML 1.2's booleans: true/false only (1.1 also reads on/off/yes/no/y/n as booleans, which
+    """yaml.SafeLoader with YAML 1.2's booleans: true/false only (1.1 also reads on/off/yes/no as booleans, which
     turned `tokenize_cache: off` into False)."""
 
 

@@ -81,29 +81,30 @@ def check_cache_path(path: str | None, name: str) -> None:
                           "written by `dflash extract --out`")
 
 
-def check_output_dir(path: str | None, name: str) -> None:
+def check_output_dir(path: str | None, name: str, label: str | None = None) -> None:
     """A directory that will be created or reused (--out): not an existing file, not a dangling symlink, and
-    writable (an existing one) or creatable (its nearest existing ancestor a writable directory)."""
+    writable (an existing one) or creatable (its nearest existing ancestor a writable directory). `label` names it
+    in the messages when it does not come from the flag (an environment variable)."""
     if not path or is_url(path):
         return
-    path = str(path)
+    path, who = str(path), label or flag(name)
     if _dangling(path):
-        raise ConfigError(_dangling_message(path, name))
+        raise ConfigError(f"{who} {path} is a dangling symlink (to {os.readlink(path)}, which does not exist)")
     if os.path.exists(path):
         if not os.path.isdir(path):
-            raise ConfigError(f"{flag(name)} {path} is an existing file, not a directory")
+            raise ConfigError(f"{who} {path} is an existing file, not a directory")
         if not os.access(path, os.W_OK | os.X_OK):
-            raise ConfigError(f"{flag(name)} {path} is not writable ({_why_not_writable(path)})")
+            raise ConfigError(f"{who} {path} is not writable ({_why_not_writable(path)})")
         return
     ancestor = os.path.dirname(os.path.abspath(path))
     while not os.path.lexists(ancestor):
         ancestor = os.path.dirname(ancestor)
     if _dangling(ancestor):
-        raise ConfigError(f"{flag(name)} {path}: {ancestor} is a dangling symlink (to {os.readlink(ancestor)})")
+        raise ConfigError(f"{who} {path}: {ancestor} is a dangling symlink (to {os.readlink(ancestor)})")
     if not os.path.isdir(ancestor):
-        raise ConfigError(f"{flag(name)} {path}: {ancestor} is a file, not a directory")
+        raise ConfigError(f"{who} {path}: {ancestor} is a file, not a directory")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag(name)} {path}: cannot create it, {ancestor} is not writable "
+        raise ConfigError(f"{who} {path}: cannot create it, {ancestor} is not writable "
                           f"({_why_not_writable(ancestor)})")
 
 
