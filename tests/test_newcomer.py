@@ -68,6 +68,17 @@ def test_the_bar_shows_no_eta_during_the_warm_up_then_the_timed_one():
     bar.update(10)
     assert "<01:29," in str(bar) and "1.00step/s" in str(bar)  # 89 left at the timed 1 step/s
     bar.close()
+    # warmup 0 (extraction on a CPU: a few large batches, no kernels to build): timed from the start
+    now[0] = 0.0
+    bar = Bar(total=4, file=out, mininterval=0, warmup=0, unit="batch")
+    assert bar.eta_rate.mark is not None and bar.eta_rate.mark[0] == 0  # timed from its creation
+    bar._time = lambda: now[0]
+    bar.eta_rate.mark = (0, 0.0)  # the same mark, on this test's clock
+    bar.start_t = bar.last_print_t = 0.0
+    now[0] = 30.0
+    bar.update(3)
+    assert "<00:10," in str(bar)  # 1 batch left at 10 s a batch, from the first update on
+    bar.close()
 
 
 # ------------------------------------------------------------------------------------------------ regenerate's bar
