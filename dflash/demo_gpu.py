@@ -79,6 +79,9 @@ class GpuRecipe:
     sources: dict = field(default_factory=lambda: {"chitchat": 1.0})
     heldout_source: str = ""  # a source kept whole out of training: the out-of-source eval set ("" = none)
     heldout_source_prompts: int = 0  # its prompts, taken round-robin over its categories; 0 = all
+    # train while extracting: the validation data first, then `dflash train --follow` as a child process on the same
+    # device beside the main extraction (dflash/pipeline.py says what sharing one GPU costs); false: one after the other
+    follow: bool = False
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
@@ -347,6 +350,57 @@ class Prepared:
     regen: dict | None = None
     extract: dict | None = None
     val_cache: str | None = None  # the held-out conversations' cache (train --val-cache), or None
+    follower: "FollowingTrainer | None" = None  # the recipe's follow: the trainer started beside the extraction
+
+
+class FollowingTrainer:
+    """`dflash train --follow` as a child process: it trains from the cache while this process extracts it (one
+    process per job, each single-threaded for CUDA; they share only the cache). Its lines are forwarded behind
+    `[train] `; wait() returns once it has finished (a failure is one error line: rerunning the demo resumes both)."""
+
+    def __init__(self, args: list[str]):
+        import subprocess
+        import sys
+        import threading
+
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", *args], stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, bufsize=1)
+        self.thread = threading.Thread(target=self._forward, daemon=True)  # file I/O only
+        self.thread.start()
+        self.wall_s: float | None = None
+
+    def _forward(self) -> None:
+        for line in self.proc.stdout:
+            print(f"[train] {line}", end="", flush=True)
+
+    def wait(self) -> float:
+        """Wait for the trainer; its wall time from start to end (seconds)."""
+        rc = self.proc.wait()
+        self.thread.join()
+        if rc != 0:
+            raise ConfigError(f"the trainer following the extraction failed (exit {rc}, its lines above start with "
+                              "[train]); rerun the same `dflash demo` command to resume it")
+        self.wall_s = time.perf_counter() - self.t0
+        return self.wall_s
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait()
+
+
+def follower_args(target: str, cache: str, val_cache: str | None, run: str, preset: str, device: str,
+                  train_overrides: dict | None) -> list[str]:
+    """The command line of the trainer that follows the extraction: what train_and_eval's run_train gets."""
+    args = ["--config", str(preset), "--target", target, "--cache", cache, "--out", run, "--follow", "--no-progress"]
+    if device != "auto":
+        args += ["--device", device]
+    if val_cache:
+        args += ["--val-cache", val_cache]
+    for k, v in (train_overrides or {}).items():
+        args += ["--" + k.replace("_", "-"), str(v)]
+    return args
 
 
 def load_recipe(preset: str = PRESET) -> GpuRecipe:
@@ -361,11 +415,13 @@ def load_recipe(preset: str = PRESET) -> GpuRecipe:
 
 def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
             target: str | None = None, timings: dict | None = None, stages: StagePlan | None = None,
-            tokenize_cache: str | None = None) -> Prepared:
+            tokenize_cache: str | None = None, before_extract=None) -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
     target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape); timings: the
     dict each stage's seconds go into as it ends (a new one by default); stages: prints each stage's line as it
-    starts; tokenize_cache: extract's --tokenize-cache (None: its default)."""
+    starts; tokenize_cache: extract's --tokenize-cache (None: its default); before_extract(target, cache,
+    val_cache): called just before the main extraction starts, the validation data being made first (the recipe's
+    `follow`: it starts the trainer that follows the extraction)."""
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
@@ -404,13 +460,20 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     timings["regenerate"] = time.perf_counter() - t
 
     cache = os.path.join(workdir, "cache")
-    start("extract")
-    t = time.perf_counter()
-    ex = run_extract(build(ExtractConfig, preset, "extract",
-                           {"target": target, "data": regen_out, "out": cache, "device": device, "progress": progress,
-                            **tok}))
-    timings["extract"] = time.perf_counter() - t
+
+    def main_extract():
+        start("extract")
+        t = time.perf_counter()
+        if before_extract is not None:
+            before_extract(target, cache, val_cache)
+        out = run_extract(build(ExtractConfig, preset, "extract",
+                                {"target": target, "data": regen_out, "out": cache, "device": device,
+                                 "progress": progress, **tok}))
+        timings["extract"] = time.perf_counter() - t
+        return out
+
     val_cache = None
+    ex = None if recipe.validation and before_extract is not None else main_extract()
     if recipe.validation:  # the held-out conversations through the same two stages: the trainer's --val-cache
         start("validation data")
         t = time.perf_counter()
@@ -422,6 +485,8 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
         run_extract(build(ExtractConfig, preset, "extract", {"target": target, "data": regen_val, "out": val_cache,
                                                              "device": device, "progress": progress, **tok}))
         timings["validation data"] = time.perf_counter() - t
+    if ex is None:  # follow: the trainer needs the validation cache when it starts
+        ex = main_extract()
     return Prepared(target, held, cache, counts, timings, regen, ex, val_cache)
 
 
@@ -445,8 +510,10 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     base = {"cache": prep.cache, "target": prep.target, "out": run, "device": device, "progress": progress}
     if prep.val_cache:
         base["val_cache"] = prep.val_cache
+    if prep.follower is not None:  # it trained beside the extraction: wait for it; run_train then finds it finished
+        prep.follower.wait()
     tr = run_train(build(TrainConfig, preset, "train", dict(base, **(train_overrides or {}))))
-    timings["train"] = time.perf_counter() - t
+    timings["train"] = time.perf_counter() - t  # with follow: only what was left after the extraction
     evals = {}
     # the in-source and out-of-source prompts (heldout.jsonl alternates them: a prefix samples both)
     n_eval = eval_prompts or recipe.eval_prompts + int(prep.counts.get("out_of_source_prompts") or 0)
@@ -556,8 +623,11 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) ->
     """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override)."""
     recipe = load_recipe(preset)
     ref = GPU_STAGE_SECONDS
-    secs = {k: ref[k] for k in ("prepare target", "data", "regenerate", "extract")}
-    if recipe.validation:
+    secs = {k: ref[k] for k in ("prepare target", "data", "regenerate")}
+    if recipe.validation and recipe.follow:  # the trainer that follows the extraction needs the validation cache
+        secs["validation data"] = ref["validation data"]
+    secs["extract"] = ref["extract"]
+    if recipe.validation and not recipe.follow:
         secs["validation data"] = ref["validation data"]
     steps, preset_steps = (train_overrides or {}).get("max_steps"), read_preset(preset, "train").get("max_steps")
     secs["train"] = ref["train"] * (steps / preset_steps if steps and preset_steps else 1.0)
@@ -611,10 +681,21 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     clock = WorkTime(workdir, timings)
     try:
         with caches_under(workdir) as tokenize_cache:
-            prep = prepare(workdir, preset, device, progress, target, timings, stages=plan,
-                           tokenize_cache=tokenize_cache)
-            out = train_and_eval(prep, run, preset, device, progress, train_overrides, eval_prompts,
-                                 timings=timings, stages=plan)
+            followers: list[FollowingTrainer] = []
+
+            def start_follower(target_dir: str, cache: str, val_cache: str | None) -> None:
+                followers.append(FollowingTrainer(follower_args(target_dir, cache, val_cache, run, preset, device,
+                                                                train_overrides)))
+
+            try:
+                prep = prepare(workdir, preset, device, progress, target, timings, stages=plan,
+                               tokenize_cache=tokenize_cache, before_extract=start_follower if recipe.follow else None)
+                prep.follower = followers[0] if followers else None
+                out = train_and_eval(prep, run, preset, device, progress, train_overrides, eval_prompts,
+                                     timings=timings, stages=plan)
+            finally:
+                for f in followers:
+                    f.stop()
     finally:
         clock.close()
     tr, evals = out["train"], out["eval"]
@@ -661,6 +742,9 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         "lossless_float32": (evals["float32"]["dflash"]["outputs_identical"] == evals["float32"]["prompts"]
                              if "float32" in evals else None),
         "timings_s": timings,
+        # the recipe's follow: the trainer's own wall time, from its start beside the extraction to its end
+        "follow": ({"trainer_wall_s": prep.follower.wall_s, "extract_s": timings.get("extract"),
+                    "train_after_extract_s": timings.get("train")} if prep.follower is not None else None),
         "wall_s": time.perf_counter() - t0,
         "all_runs": clock.runs,  # every run of the demo on this workdir, the killed ones too (WORKDIR/time.json)
         "wall_s_all_runs": sum(r["wall_s"] for r in clock.runs),
