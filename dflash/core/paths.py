@@ -73,10 +73,10 @@ def check_input_path(path: str | None, name: str, kind: str = "any") -> None:
 
 
 def check_cache_path(path: str | None, name: str) -> None:
-    """A cache a command reads (--cache, --val-cache): a readable directory holding a zarr hierarchy (zarr.json).
-    What the hierarchy holds is dflash_cache's to check."""
+    """A cache a command reads (--cache, --val-cache): a readable directory that looks like a dflash cache (its root
+    zarr.json or its shards/). Whether it is a whole one is dflash_cache's to check (a damaged cache is named there)."""
     check_input_path(path, name, kind="dir")
-    if path and not is_url(path) and not os.path.isfile(os.path.join(path, "zarr.json")):
+    if path and not is_url(path) and not any(os.path.exists(os.path.join(path, n)) for n in ("zarr.json", "shards")):
         raise ConfigError(f"{flag(name)} {path} is not a dflash cache (no zarr.json in it): give a directory "
                           "written by `dflash extract --out`")
 
