@@ -72,7 +72,7 @@ def main():
     ap.add_argument("--mean-tokens", type=int, default=900)
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--config", default="demo-gpu")
-    ap.add_argument("--extract-gpus", default="0")
+    ap.add_argument("--extract-gpus", default="0", help="'' = one plain process on its default device (a CPU smoke run)")
     ap.add_argument("--train-gpus", default="0")
     ap.add_argument("--ways", default="sequential,pipeline")
     ap.add_argument("--budget-s", type=float, default=0.0, help="stop each way at what is left of this (0: no limit)")
@@ -81,7 +81,9 @@ def main():
     t_start = time.perf_counter()
     wd = a.workdir or tempfile.mkdtemp(prefix="dflash-bench-pipeline-")
     os.makedirs(wd, exist_ok=True)
-    target = random_target_dir(os.path.join(wd, "target"), SMOLLM2, device="cuda")
+    import torch
+
+    target = random_target_dir(os.path.join(wd, "target"), SMOLLM2, device="cuda" if torch.cuda.is_available() else "cpu")
     data = os.path.join(wd, "chats.jsonl")
     if not os.path.exists(data):
         write_jsonl(data, synthetic_chats(a.chats, mean_tokens=a.mean_tokens))
@@ -99,14 +101,17 @@ def main():
         train = ["--config", a.config, "--target", target, "--max-steps", str(a.steps), "--no-progress"]
         t0 = time.perf_counter()
         if way == "sequential":
-            rc, _ = run(dflash + ["extract", *extract, "--out", cache, "--json", ext_json, "--gpus", a.extract_gpus],
+            gpus = lambda ids: ["--gpus", ids] if ids else []  # noqa: E731 (none: one plain process)
+            rc, _ = run(dflash + ["extract", *extract, "--out", cache, "--json", ext_json, *gpus(a.extract_gpus)],
                         env, os.path.join(root, "extract.log"), left())
             if rc == 0:
-                rc, _ = run(dflash + ["train", *train, "--cache", cache, "--out", out, "--gpus", a.train_gpus],
+                rc, _ = run(dflash + ["train", *train, "--cache", cache, "--out", out, *gpus(a.train_gpus)],
                             env, os.path.join(root, "train.log"), left())
         else:
+            ids = [*(["--extract-gpus", a.extract_gpus] if a.extract_gpus else []),
+                   *(["--train-gpus", a.train_gpus] if a.train_gpus else [])]
             rc, _ = run(dflash + ["pipeline", "--config", a.config, "--target", target, "--data", data, "--cache", cache,
-                                  "--out", out, "--extract-gpus", a.extract_gpus, "--train-gpus", a.train_gpus,
+                                  "--out", out, *ids,
                                   "--extract-args", f"--tokenize-cache {tok}", "--train-args", f"--max-steps {a.steps}",
                                   "--json", os.path.join(root, "pipeline.json")],
                         env, os.path.join(root, "pipeline.log"), left())
