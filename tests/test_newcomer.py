@@ -115,11 +115,13 @@ def test_each_cpu_stage_has_its_share_of_the_demo():
     assert plan.seconds == pytest.approx(CPU_STAGE_SECONDS)  # the defaults: as measured
     assert sum(plan.share(n) for n in plan.seconds) == pytest.approx(1.0)
     assert plan.line("extract") == "demo: [3/5] extract  (~11% of the demo)"
-    assert plan.line("train") == "demo: [4/5] train  (~43% of the demo)"
+    assert plan.line("train") == "demo: [4/5] train  (~41% of the demo)"
     # more steps: training's share grows; the dataset's own replies: no regenerate stage
     longer = cpu_stage_plan(DemoConfig(train_steps=640).cpu())
     assert longer.seconds["train"] == pytest.approx(4 * CPU_STAGE_SECONDS["train"])
     assert longer.share("train") > plan.share("train")
+    no_mt_bench = cpu_stage_plan(DemoConfig(out_of_source_prompts=0).cpu())  # 16 prompts to evaluate of 20
+    assert no_mt_bench.seconds["eval"] == pytest.approx(CPU_STAGE_SECONDS["eval"] * 16 / 20)
     original = cpu_stage_plan(DemoConfig(responses="original").cpu())
     assert "regenerate" not in original.seconds and original.line("eval").startswith("demo: [4/4] eval ")
     assert StagePlan({"a": 0.0, "b": 0.0}).share("a") == 0.5
