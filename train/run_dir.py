@@ -47,7 +47,7 @@ from dflash_cache.store import Store
 # What a run directory holds: RUN/run.json ({"dflash": "train", ...}) marks it as dflash's; --overwrite removes
 # exactly these entries of such a directory (and never a directory without the marker).
 RUN_MARKER = "run.json"
-RUN_ENTRIES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints", "final", "final.tmp", "wandb")
+RUN_ENTRIES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints", "final", "final.tmp", "wandb", "compile")
 
 
 def _run_marker(out: str) -> dict | None:

@@ -50,7 +50,7 @@ from .config import NonFiniteLoss, TrainConfig, TrainError
 from .metrics import TrainMetrics, init_wandb
 from .model import DFlashDrafter, DrafterConfig
 from .run_dir import (check_out_path, check_run_dir, drop_metrics_after, finished_run, latest_checkpoint,
-                      load_checkpoint, save_checkpoint, save_final)
+                      load_checkpoint, save_checkpoint, save_final, writing)
 from .schedule import lr_at, peak_flops, step_flops
 from .target_head import load_target_head, resolve_mask_token_id
 
@@ -452,7 +452,8 @@ class Trainer:
                        f"rows of --val-cache; training rows: expected tau {rec['tau_expected']:.2f})")
             logger.log({k: v for k, v in rec.items() if k not in ("slot_acc", "val_slot_acc")} |
                        {f"slot_acc/{i + 1}": a for i, a in enumerate(rec["slot_acc"])}, step=self.step)
-            with open(os.path.join(cfg.out, "metrics.jsonl"), "a") as f:
+            path = os.path.join(cfg.out, "metrics.jsonl")
+            with writing(path, latest_checkpoint(cfg.out)), open(path, "a") as f:  # disk full: one error line
                 f.write(json.dumps(rec) + "\n")
         self.metrics.reset()
         window.restart()
