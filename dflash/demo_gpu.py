@@ -66,7 +66,7 @@ class GpuRecipe:
     # "dataset": one sample per user turn, its history as chitchat has it and only its answer regenerated (regenerate
     # --turns last): the target answering real conversations, as in the eval prompts; "target": one sample per
     # conversation, every answer regenerated after the target's own earlier ones (SmolLM2-135M then repeats its
-    # first answer in 77-100% of the 4-grams of every later turn: BENCHMARKS, "GPU recipe", fourth run)
+    # first answer in 77-100% of the 4-grams of every later turn: BENCHMARKS.md, "GPU recipe")
     history: str = "dataset"
     # history "dataset": the messages of the data's history kept before each user turn (the last ones; 0 = all).
     # Bounds a sample's tokens, so that late turns of long conversations can be trained on (max_turns 0)
@@ -340,7 +340,7 @@ def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict, str]:
 
 @dataclass
 class Prepared:
-    """What the training runs share: the target, the held-out prompts, the cache (bench/gpu_sweep.py reuses it)."""
+    """What the training runs share: the target, the held-out prompts, the cache (and the validation cache)."""
 
     target: str
     heldout: str
