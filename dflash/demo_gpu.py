@@ -613,10 +613,12 @@ def set_summary(g: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-02, the chitchat-only preset: 17 min 23 s
-# in all). What is shown is each stage's share of the whole.
-GPU_STAGE_SECONDS = {"prepare target": 17.0, "data": 1.0, "regenerate": 182.0, "extract": 102.0, "validation data": 9.0,
-                     "train": 587.0, "eval bfloat16": 116.0, "eval float32": 28.0}
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-02, the preset with four sources and
+# follow: 16 min 26 s to the trained drafter; "train" is what training took after the extraction it ran beside). The
+# evals are estimates (96 and 16 prompts: the chitchat-only preset's 116 s for 48 and 28 s for 16, scaled). What is
+# shown is each stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 19.0, "data": 5.0, "regenerate": 272.0, "extract": 80.0, "validation data": 42.0,
+                     "train": 568.0, "eval bfloat16": 232.0, "eval float32": 28.0}
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
