@@ -77,7 +77,7 @@ class EvalConfig:
     warmup_prompts: int = 2  # decoded by every method before the timed runs (kernels, allocator, caches)
     tie_margin: float = 0.5  # a differing output whose first differing token had a top-2 logit gap below this is a near tie
     # the drafter's step (context + draft) as one CUDA graph (checked against the eager step once); None: on a GPU
-    # (bench/draft_step.py on the H200: 0.61 vs 2.33 ms a step in bf16), off on a CPU (no graphs there)
+    # (bench/spec_step.py --draft-only on the H200: 0.61 vs 2.33 ms a step in bf16), off on a CPU (no graphs there)
     draft_graph: bool | None = None
     progress: bool = True
 
@@ -320,7 +320,8 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     base.update(speedup=1.0, identical=len(prompts), prompts=len(prompts))
     sets, categories = groups(runs, labels)
     report = {
-        "schema": SCHEMA, "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
+        "schema": SCHEMA,
+        "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
         "target_attention": target.attention,
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
