@@ -215,7 +215,9 @@ def test_cli_run_writes_run_metrics_checkpoints_summary_and_servable_final(env, 
 
 
 @pytest.mark.slow
-def test_compiled_matches_eager_with_no_recompiles(env, tmp_path):
+def test_compiled_matches_eager_with_no_recompiles(env, tmp_path, monkeypatch):
+    # an inductor cache of its own: one warmed by an earlier run would build nothing (and time no inductor phase)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     common = ["--max-steps", 10, "--lr", 3e-3, "--log-every", 1, "--seed", 5]
     ok(*base(env, tmp_path / "eager", *common, "--compile", "off"))  # in this process (no import cost)
     p = dflash(*base(env, tmp_path / "compiled", *common, "--compile", "on"), timeout=590)
