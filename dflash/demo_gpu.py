@@ -363,16 +363,15 @@ class FollowingTrainer:
         import sys
         import threading
 
+        from dflash.pipeline import forward_lines
+
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen([sys.executable, "-m", "dflash", "train", *args], stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, text=True, bufsize=1)
-        self.thread = threading.Thread(target=self._forward, daemon=True)  # file I/O only
+        self.thread = threading.Thread(target=forward_lines, args=("train", self.proc.stdout, threading.Lock()),
+                                       daemon=True)  # file I/O only
         self.thread.start()
         self.wall_s: float | None = None
-
-    def _forward(self) -> None:
-        for line in self.proc.stdout:
-            print(f"[train] {line}", end="", flush=True)
 
     def wait(self) -> float:
         """Wait for the trainer; its wall time from start to end (seconds)."""

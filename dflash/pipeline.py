@@ -97,7 +97,7 @@ def commands(cfg: PipelineConfig, summary_json: str) -> dict[str, tuple[list[str
     return out
 
 
-def _forward(name: str, stream, lock: threading.Lock) -> None:
+def forward_lines(name: str, stream, lock: threading.Lock) -> None:
     """Copy a job's output to ours, each line behind `[name] ` (a thread that only moves bytes)."""
     for line in iter(stream.readline, ""):
         with lock:
@@ -169,7 +169,7 @@ def run_pipeline(cfg: PipelineConfig) -> int:
         say(f"pipeline: {name}: {' '.join(shlex.quote(c) for c in cmd)}")
         p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
         procs[name] = p
-        th = threading.Thread(target=_forward, args=(name, p.stdout, lock), daemon=True)
+        th = threading.Thread(target=forward_lines, args=(name, p.stdout, lock), daemon=True)
         th.start()
         threads.append(th)
     progress = Progress(cfg.cache, cfg.out)

@@ -78,6 +78,15 @@ def start(args: list, log: Path, slow: float | None = None) -> subprocess.Popen:
     return p
 
 
+def first_checkpoint(run: Path, alive: list[subprocess.Popen], log: Path, timeout: float = 180) -> None:
+    """Wait until RUN/checkpoints/latest exists, every process in `alive` still running meanwhile."""
+    deadline = time.monotonic() + timeout
+    while not (run / "checkpoints" / "latest").exists():
+        assert all(p.poll() is None for p in alive), log.read_text()
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
 def finish(p: subprocess.Popen, log: Path, rc: int = 0, timeout: float = 240) -> str:
     p.wait(timeout=timeout)
     text = log.read_text()
@@ -303,11 +312,7 @@ def test_killed_extraction_is_named_and_both_reruns_resume_to_the_same_run(env, 
     cache, run = tmp_path / "cache", tmp_path / "run"
     ext = start(extract_args(env, cache), tmp_path / "extract.log", slow=0.6)
     tr = start(train_args(env, cache, run), tmp_path / "train.log")
-    deadline = time.monotonic() + 180
-    while not (run / "checkpoints" / "latest").exists():  # the follower has trained 4 steps: kill the extraction
-        assert ext.poll() is None and tr.poll() is None, (tmp_path / "train.log").read_text()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    first_checkpoint(run, [ext, tr], tmp_path / "train.log")  # the follower has trained 4 steps: kill the extraction
     ext.send_signal(signal.SIGKILL)
     ext.wait(timeout=30)
     out = finish(tr, tmp_path / "train.log", rc=2, timeout=120)
@@ -333,11 +338,7 @@ def test_killed_follower_resumes_to_the_same_run(env, tmp_path):
     cache, run = tmp_path / "cache", tmp_path / "run"
     ext = start(extract_args(env, cache), tmp_path / "extract.log", slow=0.4)
     tr = start(train_args(env, cache, run), tmp_path / "train.log")
-    deadline = time.monotonic() + 180
-    while not (run / "checkpoints" / "latest").exists():
-        assert tr.poll() is None, (tmp_path / "train.log").read_text()
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    first_checkpoint(run, [tr], tmp_path / "train.log")
     tr.send_signal(signal.SIGKILL)
     tr.wait(timeout=30)
     assert not (run / "final").exists()

@@ -39,7 +39,7 @@ from dflash.core.paths import check_output_dir, inside, is_url
 from dflash.train.checkpoint import save_drafter
 from dflash.train.config import IDENTITY, TrainConfig, TrainError
 from dflash.train.model import DFlashDrafter
-from dflash_cache.format import read_root
+from dflash_cache.format import flatten, read_root
 from dflash_cache.lock import LOCK_NAME
 from dflash_cache.store import Store
 
@@ -113,19 +113,9 @@ IDENTITY_FIRST = ("info.data_fingerprint", "info.weights.digest", "info.target.c
                   "info.tokenizer_fingerprint", "info.chat_template_fingerprint", "num_rows")
 
 
-def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def cache_identity(metadata: dict) -> dict[str, Any]:
     """What defines a cache's content, from its root attributes (flattened keys -> values; NOT_IDENTITY left out)."""
-    flat = _flatten(json.loads(json.dumps(metadata, default=str)))
+    flat = flatten(json.loads(json.dumps(metadata, default=str)))
     return {k: v for k, v in sorted(flat.items()) if not k.startswith(NOT_IDENTITY)}
 
 
