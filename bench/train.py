@@ -31,6 +31,7 @@ import argparse
 import gc
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -46,6 +47,7 @@ SHAPES = {
     # name: (target shape, seq_len, rows, anchors, block, drafter layers)
     "qwen3-8b": (QWEN3_8B, 3072, 4, 512, 16, 5),
     "demo": (SMOLLM2, 512, 4, 64, 16, 2),
+    "recipe": (SMOLLM2, 2048, 8, 512, 16, 4),  # the GPU recipe's step (configs/demo-gpu.yaml)
     # a smoke test of the script itself on a CPU (--modes eager:sdpa,compiled:sdpa)
     "tiny": (dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=16, max_position_embeddings=4096, rope_theta=10000.0,
@@ -156,7 +158,7 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
     return r
 
 
-def run_isolated(kw: dict, phase: str, artifacts: str, timeout: float) -> dict:
+def run_isolated(kw: dict, phase: str, artifacts: str, timeout: float, keep: str | None = None) -> dict:
     """run_one in a new process whose inductor and Triton caches are new empty directories (a fresh machine, as far
     as compiling goes). fresh: no saved artifacts (the run saves its own in `artifacts`); warm: it loads those."""
     import subprocess
@@ -176,11 +178,61 @@ def run_isolated(kw: dict, phase: str, artifacts: str, timeout: float) -> dict:
     except subprocess.TimeoutExpired:
         return {"error": f"cut after {timeout:.0f} s (--budget-s)", "process_s": time.perf_counter() - t0}
     finally:
+        builds = kernel_builds(env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"],
+                               keep=keep and os.path.join(keep, f"{kw['shape_name']}-{kw['attn']}-{kw['scope']}-{phase}"))
         shutil.rmtree(empty, ignore_errors=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
-        return {"error": (p.stderr or p.stdout)[-600:], "process_s": time.perf_counter() - t0}
-    return dict(json.loads(lines[-1]), process_s=time.perf_counter() - t0)
+        return {"error": (p.stderr or p.stdout)[-600:], "process_s": time.perf_counter() - t0, "kernel_builds": builds}
+    return dict(json.loads(lines[-1]), process_s=time.perf_counter() - t0, kernel_builds=builds)
+
+
+def kernel_builds(inductor_dir: str, triton_dir: str, top: int = 15, keep: str | None = None) -> dict:
+    """Where a fresh compile's kernel-build time went, read from the caches it filled: each Triton kernel's source
+    file (written by inductor when it hands the kernel to its compile workers) and its Triton cache entries (written
+    when a build of one of its configs ends). span_s: from the first to the last of these for one kernel (its
+    configs' builds, and any wait for a free worker); ends_s: when its last build ended, from the first source.
+    keep: a directory to copy the slowest kernels' sources to."""
+    srcs: dict[str, float] = {}
+    paths: dict[str, str] = {}
+    for root, _, files in os.walk(inductor_dir):
+        for f in files:
+            if not f.endswith(".py"):
+                continue
+            path = os.path.join(root, f)
+            try:
+                text = open(path, errors="replace").read()
+            except OSError:
+                continue
+            if "async_compile.triton(" in text or "@triton.jit" not in text:
+                continue  # a graph's module (holds every kernel), or not a kernel
+            for name in re.findall(r"^def (triton_\w+)\(", text, flags=re.M):
+                srcs[name] = min(srcs.get(name, float("inf")), os.path.getmtime(path))
+                paths[name] = path
+    ends: dict[str, list[float]] = {}
+    for root, _, files in os.walk(triton_dir):
+        for f in files:
+            if f.endswith(".cubin") or f.endswith(".hsaco"):
+                ends.setdefault(f.rsplit(".", 1)[0], []).append(os.path.getmtime(os.path.join(root, f)))
+    if not srcs:
+        return {"kernels": 0}
+    t0 = min(srcs.values())
+    rows = []
+    for name, start in srcs.items():
+        e = ends.get(name)
+        if e:
+            rows.append({"kernel": name, "configs": len(e), "submitted_s": round(start - t0, 1),
+                         "ends_s": round(max(e) - t0, 1), "span_s": round(max(e) - start, 1)})
+    rows.sort(key=lambda r: -r["span_s"])
+    if keep:
+        os.makedirs(keep, exist_ok=True)
+        for r in rows[:top]:
+            shutil.copy(paths[r["kernel"]], os.path.join(keep, f"{r['span_s']:06.1f}s-{r['kernel'][:80]}.py"))
+    for r in rows:
+        r["kernel"] = r["kernel"][:90]
+    last = max((r["ends_s"] for r in rows), default=0.0)
+    return {"kernels": len(srcs), "built": len(rows), "configs": sum(r["configs"] for r in rows),
+            "last_build_ends_s": last, "slowest": rows[:top]}
 
 
 def main():
@@ -206,6 +258,8 @@ def main():
                          "caches: fresh (nothing saved) then warm (the artifacts the fresh run saved)")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="with --isolate: stop each run at what is left of this many seconds (0: no limit)")
+    ap.add_argument("--kernel-sources", default=None,
+                    help="with --isolate: copy the sources of the kernels slowest to build into this directory")
     ap.add_argument("--cache-rows", type=int, default=0, help="rows of the synthetic cache (default: 8 batches, >= 32)")
     ap.add_argument("--json")
     a = ap.parse_args()
@@ -239,7 +293,7 @@ def main():
                 if phase:
                     left = a.budget_s - (time.perf_counter() - t_start) if a.budget_s else 3600.0
                     r = run_isolated(dict(kw, shape_name=name), phase, os.path.join(wd, f"artifacts-{name}-{scope}"),
-                                     left)
+                                     left, keep=a.kernel_sources)
                     r.setdefault("compile", kw["compile_"])
                     r.setdefault("attn", attn)
                     r["scope"], r["phase"] = scope, phase

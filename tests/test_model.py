@@ -1,5 +1,6 @@
 """The drafter and its objective: masks, the packed forward vs. single blocks, gradients, checkpoints."""
 
+import dataclasses
 import json
 
 import pytest
@@ -399,3 +400,63 @@ def test_rope_frequencies_stay_float32_in_a_bf16_drafter():
     assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
     bad_cos, _ = rope_cos_sin(m.inv_freq.to(torch.bfloat16), pos, torch.bfloat16)
     assert (bad_cos.float() - want_cos.float()).abs().max() > 0.1  # what the bf16 frequencies gave
+
+
+BLOCK_MASK_FIELDS = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices", "q_num_blocks",
+                     "q_indices", "full_q_num_blocks", "full_q_indices")
+
+
+def _random_packed(R, T, seed):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 100, (R, T), generator=g)
+    lm = (torch.rand(R, T, generator=g) > 0.3).to(torch.uint8)
+    doc = torch.zeros(R, T, dtype=torch.long)
+    for r in range(R):
+        cuts = sorted(torch.randint(1, T - 8, (3,), generator=g).tolist())
+        for d, (a, b) in enumerate(zip([0, *cuts], [*cuts, T - 5])):
+            doc[r, a:b] = d + 1
+    return ids, lm, doc, torch.rand(R, T, generator=g)
+
+
+# (rows, tokens, anchors, block, window): tile-aligned and not (queries and keys padded to 128), a sliding window
+@pytest.mark.parametrize("R,T,N,B,window", [(2, 256, 16, 16, None), (3, 300, 12, 8, None), (2, 512, 40, 16, 64),
+                                             (1, 1000, 24, 10, 100), (1, 2048, 64, 16, None)])
+def test_flex_block_mask_equals_create_block_mask(R, T, N, B, window):
+    """The training step's BlockMask (built without create_block_mask's slow-to-compile conversion) holds exactly what
+    create_block_mask builds from the same mask_mod: every index tensor, dtype and shape, its lengths and tile."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from dflash.train.blocks import flex_block_mask
+
+    ids, lm, doc, scores = _random_packed(R, T, seed=T)
+    mine = flex_block_mask(make_blocks(ids, lm, doc, scores, N, B, 99), doc, window)
+    ref = create_block_mask(mine.mask_mod, R, None, N * B, T + N * B, device="cpu")
+    for f in BLOCK_MASK_FIELDS:
+        a, b = getattr(mine, f), getattr(ref, f)
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), f
+    assert (mine.seq_lengths, mine.BLOCK_SIZE) == (ref.seq_lengths, ref.BLOCK_SIZE)
+    assert int(mine.kv_num_blocks.sum()) > 0
+    if T >= 2048:  # long documents: whole tiles of context occur too
+        assert int(mine.full_kv_num_blocks.sum()) > 0
+
+
+def test_flex_block_mask_compiled_equals_eager():
+    """Traced into a compiled graph (the step's case: mask_mod broadcast over the grid, the indices from the opaque
+    op), the BlockMask's tensors equal the eager ones."""
+    from dflash.train.blocks import flex_block_mask
+
+    ids, lm, doc, scores = _random_packed(2, 300, seed=3)
+    blocks = make_blocks(ids, lm, doc, scores, 12, 16, 99)
+
+    def fields(anchors, anchor_doc, positions, ctx_positions, doc):
+        b = dataclasses.replace(blocks, anchors=anchors, anchor_doc=anchor_doc, positions=positions,
+                                ctx_positions=ctx_positions)
+        bm = flex_block_mask(b, doc, 50)
+        return tuple(getattr(bm, f) for f in BLOCK_MASK_FIELDS)
+
+    args = (blocks.anchors, blocks.anchor_doc, blocks.positions, blocks.ctx_positions, doc)
+    eager = fields(*args)
+    torch._dynamo.reset()
+    compiled = torch.compile(fields, fullgraph=True, dynamic=False)(*args)
+    for f, a, b in zip(BLOCK_MASK_FIELDS, eager, compiled):
+        assert a.dtype == b.dtype and torch.equal(a, b), f

@@ -152,8 +152,6 @@ def dense_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None) 
 
 
 def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
-    from torch.nn.attention.flex_attention import create_block_mask
-
     R, T = doc_ids.shape
     N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
     anchors, adoc, ctx_pos = blocks.anchors, blocks.anchor_doc, blocks.ctx_positions
@@ -169,6 +167,66 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
         own = (kv - T) // B == n
         return torch.where(kv < T, ctx_ok, own)
 
-    # eager create_block_mask would materialise the whole [R, N*B, T+N*B] grid (tens of GB at 8B scale)
-    return create_block_mask(mask_mod, R, None, N * B, T + N * B, device=doc_ids.device,
-                             _compile=doc_ids.is_cuda and not torch.compiler.is_compiling())
+    return block_mask(mask_mod, R, N * B, T + N * B, doc_ids.device)
+
+
+SPARSE_BLOCK = 128  # flex_attention's tile (its _DEFAULT_SPARSE_BLOCK_SIZE)
+
+
+def block_mask(mask_mod, R: int, Q: int, KV: int, device):
+    """The BlockMask create_block_mask(mask_mod, R, None, Q, KV) builds, equal field for field, built so that a
+    compiled step needs no slow kernel for it. mask_mod is evaluated once over the whole (padded) grid by
+    broadcasting (b [R,1,1], q [1,Q',1], kv [1,1,KV']); inside a compiled graph that fuses into one reduction per
+    128x128 tile (the grid is never stored), eagerly it holds R*Q'*KV' bools. The tiles' sparse indices (a stable
+    descending argsort of each tile row, and of each tile column for the backward) come from one opaque op running
+    its aten kernels: traced by inductor, create_block_mask's own conversion (a scatter of the indices into a dense
+    tile grid) became one Triton kernel that took 174 s to build on an H200 at the Qwen3-8B training shape, 85% of
+    the step's first compiled call on a fresh machine (BENCHMARKS.md, "First compiled step")."""
+    from torch.nn.attention.flex_attention import BlockMask
+
+    S = SPARSE_BLOCK
+    Qp, KVp = -(-Q // S) * S, -(-KV // S) * S
+    b = torch.arange(R, device=device).view(R, 1, 1)
+    q = torch.arange(Qp, device=device).view(1, Qp, 1)
+    kv = torch.arange(KVp, device=device).view(1, 1, KVp)
+    h = torch.zeros((), dtype=torch.long, device=device)
+    inside = (q < Q) & (kv < KV)  # the padding is outside the mask, as create_block_mask pads it
+    m = (mask_mod(b, h, q.clamp(max=Q - 1), kv.clamp(max=KV - 1)) & inside).expand(R, Qp, KVp)
+    counts = m.reshape(R, 1, Qp // S, S, KVp // S, S).sum(dim=(3, 5), dtype=torch.int32)
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx = _block_indices_op(counts, S * S)
+    return BlockMask(seq_lengths=(Q, KV), kv_num_blocks=kv_num, kv_indices=kv_idx, full_kv_num_blocks=fkv_num,
+                     full_kv_indices=fkv_idx, q_num_blocks=q_num, q_indices=q_idx, full_q_num_blocks=fq_num,
+                     full_q_indices=fq_idx, BLOCK_SIZE=(S, S), mask_mod=mask_mod)
+
+
+def _ordered(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] 0/1 -> per row: how many ones, and the column indices with the ones first (in order)."""
+    num = dense.sum(dim=-1, dtype=torch.int32)
+    idx = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32).contiguous()
+    return num, idx
+
+
+@torch.library.custom_op("dflash::block_mask_indices", mutates_args=(), schema=(
+    "(Tensor counts, SymInt full) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)"))
+def _block_indices_op(counts, full):
+    """counts [R, 1, QB, KVB] (attended elements per tile) -> a BlockMask's eight index tensors: kv_num_blocks,
+    kv_indices (partial tiles), the same for full tiles, then q_num_blocks, q_indices and the full ones (the
+    transposed grids). All int32, each in its own storage."""
+    partial = ((counts > 0) & (counts < full)).to(torch.int32)
+    whole = (counts == full).to(torch.int32)
+    out = []
+    for grid in (partial, whole):
+        out += _ordered(grid)
+    for grid in (partial, whole):
+        out += _ordered(grid.transpose(-2, -1))
+    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx = out
+    return kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx
+
+
+@_block_indices_op.register_fake
+def _(counts, full):
+    R, H, QB, KVB = counts.shape
+    e = counts.new_empty
+    i32 = torch.int32
+    return (e(R, H, QB, dtype=i32), e(R, H, QB, KVB, dtype=i32), e(R, H, QB, dtype=i32), e(R, H, QB, KVB, dtype=i32),
+            e(R, H, KVB, dtype=i32), e(R, H, KVB, QB, dtype=i32), e(R, H, KVB, dtype=i32), e(R, H, KVB, QB, dtype=i32))
