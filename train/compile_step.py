@@ -6,13 +6,13 @@ Scopes (TrainConfig.compile_scope, `dflash train --compile-scope`):
       chunk through one compiled linear_ce_chunk (no CUDA graph: a few launches per chunk), compiled once for the
       chunk's shape and reused by every chunk and step (train/loss.even_chunk makes the chunks one shape).
   step: the whole forward_train as one graph, the way it was. Inside one graph the chunk loop is unrolled, and each
-      chunk gets its own copies of the loss's fused kernels (the chunk's slice offsets are constants in their code),
-      so a fresh machine builds the loss's kernels once per chunk: at the Qwen3-8B shape the first compiled call took
-      261 s there, 219 s of it waiting for inductor's kernel builds, nearly all in the forward graph (the backward,
-      which holds every layer's backward but no loss kernel, built in 8-15 s). Kept to measure against
-      (bench/train.py --compile-scopes regions,step).
+      chunk gets its own copies of the loss's fused kernels (the chunk's slice offsets are constants in their code).
+      Kept to measure against (bench/train.py --compile-scopes regions,step).
   The repeated decoder layers need no region of their own: their kernels are identical source, which inductor builds
-  once per graph.
+  once per graph. On a fresh machine the first compiled call at the Qwen3-8B shape takes 39 s on an H200 (47 kernels
+  built on 16 cores, the last 25 s after the first); it took 204-242 s while the flex BlockMask came from
+  create_block_mask traced into the graph, one of whose kernels took 174 s to build (train/blocks.block_mask,
+  BENCHMARKS.md "First compiled step"; bench/train.py --isolate fresh names the slowest kernels).
 
 Artifacts (torch's "mega-cache"): once the first compiled step has run (and passed its check), rank 0 saves
 torch.compiler.save_cache_artifacts() (inductor's graphs, AOT autograd's, the built Triton kernels) as
