@@ -34,7 +34,8 @@ def main():
     ap.add_argument("--top-p", type=float, default=0.99)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--target", default=None, help="an HF target directory (default: the demo's SmolLM2 GGUF, converted)")
+    ap.add_argument("--target", default=None,
+                    help="an HF target directory (default: the demo's SmolLM2 GGUF, converted)")
     ap.add_argument("--json")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer

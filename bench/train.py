@@ -178,8 +178,9 @@ def run_isolated(kw: dict, phase: str, artifacts: str, timeout: float, keep: str
     except subprocess.TimeoutExpired:
         return {"error": f"cut after {timeout:.0f} s (--budget-s)", "process_s": time.perf_counter() - t0}
     finally:
+        where = f"{kw['shape_name']}-{kw['attn']}-{kw['scope']}-{phase}"
         builds = kernel_builds(env["TORCHINDUCTOR_CACHE_DIR"], env["TRITON_CACHE_DIR"],
-                               keep=keep and os.path.join(keep, f"{kw['shape_name']}-{kw['attn']}-{kw['scope']}-{phase}"))
+                               keep=keep and os.path.join(keep, where))
         shutil.rmtree(empty, ignore_errors=True)
     lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
     if p.returncode != 0 or not lines:
