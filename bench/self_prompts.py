@@ -55,10 +55,10 @@ def main():
     eot = tok.eos_token_id
     torch.manual_seed(a.seed)
     prompts, ended, lengths = [], 0, []
+    start = tok(prefix, return_tensors="pt", add_special_tokens=False).input_ids.to(a.device)
     t0 = time.perf_counter()
     while len(prompts) < a.n:
-        b = min(a.batch, a.n - len(prompts))
-        ids = tok(prefix, return_tensors="pt", add_special_tokens=False).input_ids.repeat(b, 1).to(a.device)
+        ids = start.repeat(min(a.batch, a.n - len(prompts)), 1)
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=a.temperature,
                                  top_p=a.top_p, max_new_tokens=a.max_new_tokens, eos_token_id=eot, pad_token_id=eot)

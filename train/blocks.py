@@ -214,13 +214,8 @@ def _block_indices_op(counts, full):
     transposed grids). All int32, each in its own storage."""
     partial = ((counts > 0) & (counts < full)).to(torch.int32)
     whole = (counts == full).to(torch.int32)
-    out = []
-    for grid in (partial, whole):
-        out += _ordered(grid)
-    for grid in (partial, whole):
-        out += _ordered(grid.transpose(-2, -1))
-    kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx = out
-    return kv_num, kv_idx, fkv_num, fkv_idx, q_num, q_idx, fq_num, fq_idx
+    grids = (partial, whole, partial.transpose(-2, -1), whole.transpose(-2, -1))
+    return tuple(t for grid in grids for t in _ordered(grid))
 
 
 @_block_indices_op.register_fake
