@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -283,6 +284,44 @@ def test_ranks_of_a_follower_wait_for_the_shards_of_the_whole_global_batch(tmp_p
     assert got == [int(glob[k][rank]) for k in range(step)] and waits == [([3], step)]
 
 
+def test_a_waiting_follower_reports_both_rates_as_soon_as_they_are_measured(monkeypatch):
+    """The first report of a wait comes before any rate is known; the next one comes as soon as both are, not
+    REPORT_S later; the closing line gives both. Clock, commits and the lock's holder are the test's own."""
+    import train.follow as f
+
+    clock = [100.0]
+    monkeypatch.setattr(f.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(f.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(f, "holder", lambda path: ({"pid": 7, "host": "h", "command": "dflash extract"}, None))
+
+    class Cache:  # what the follower reads of a followed cache
+        commits, committed_rows = [0], 2
+        spec = type("Spec", (), {"num_shards": 10, "num_rows": 20})
+
+        def refresh(self):
+            pass
+
+    said = []
+    fol = f.Follower("/nowhere", world=1, say=said.append)
+    cache = Cache()
+    fol.attach(cache)
+    for _ in range(12):  # a 3 s wait for shard 4 (12 looks of 0.25 s): one report, no rates yet
+        fol([4], 2)
+    assert len(said) == 1 and "rate not measured yet" in said[0] and "waiting for shard 4" in said[0], said
+    clock[0] += 6.0  # 8 rows trained in 6 s; the extraction committed 2 shards meanwhile
+    cache.commits, cache.committed_rows = [0, 1, 4], 6
+    for _ in range(12):
+        fol([5], 10)
+    assert len(said) == 2, said  # not 30 s later: at once
+    assert "extraction" in said[1] and "training 1.33 rows/s" in said[1] and "not measured" not in said[1], said
+    for _ in range(12):  # rates known and said: the next report waits REPORT_S
+        fol([5], 10)
+    assert len(said) == 2, said
+    line = f.closing_line(fol.summary(), 30.0)
+    assert re.fullmatch(r"train: --follow: waited \d+\.\d s \(\d+% of the run\) in 2 waits for the extraction; "
+                        r"extraction [\d.]+ rows/s, training 1\.33 rows/s", line), line
+
+
 # ------------------------------------------------------------------------------------------------ real processes
 
 
@@ -300,8 +339,9 @@ def test_follower_beside_a_live_extraction_equals_a_run_over_the_finished_cache(
     finish(ext, tmp_path / "extract.log")
     assert first_step is not None and first_step < max(commits_on_disk(cache)), \
         "the follower did not train before the extraction's last commit"
-    assert "--follow: waiting for shard" in out and "training" in out and "rows/s" in out, out
-    assert "rows/s" in out and f"of {env['shards']} shards are committed" in out, out
+    assert "--follow: waiting for shard" in out and f"of {env['shards']} shards are committed" in out, out
+    closing = [ln for ln in out.splitlines() if ln.startswith("train: --follow: waited")]
+    assert len(closing) == 1 and re.search(r"extraction [\d.e+-]+ rows/s, training [\d.e+-]+ rows/s$", closing[0]), out
     assert_same_run(env["ref"], run)
     s = json.loads((run / "summary.json").read_text())
     assert s["follow"]["waits"] >= 1 and s["follow"]["waited_s"] > 0, s["follow"]

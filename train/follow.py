@@ -24,7 +24,8 @@ committed and how to go on: rerun the extract command, then rerun the same `dfla
 resumes from its last checkpoint (kill -9 of either side resumes exactly: the extraction redoes its uncommitted
 shards, the trainer restores model, optimizer, schedule and data position).
 
-While it waits, rank 0 prints a line after FIRST_REPORT_S seconds, then every REPORT_S seconds:
+While it waits, rank 0 prints a line after FIRST_REPORT_S seconds, then every REPORT_S seconds, and at once when a
+line said a rate was not measured yet and both rates are now known:
 
     train: --follow: waiting for shard 57 (the next batch needs 2 more): 23 of 100 shards committed (184 of 800
     rows); extraction 4.1 rows/s, training 12.3 rows/s; dflash extract pid 1234 on host h is running
@@ -78,6 +79,7 @@ class Follower:
         self._last_return: float | None = None  # when the last look ended, and the rows handed out then
         self._last_served = 0
         self._last_report = 0.0
+        self._rates_said = False  # a report has given both rates
         self._last_refresh = 0.0
         self._gone_since: float | None = None
         self._progress_t = time.monotonic()  # when the committed rows last grew
@@ -155,8 +157,10 @@ class Follower:
                     f"{self._committed()}. Stop it, rerun the extract command, then rerun this command"
                     f"{self._resumes()}")
         long_wait = now - self._wait_start >= FIRST_REPORT_S or self.waited_s >= FIRST_REPORT_S  # or many short
-        if long_wait and now - self._last_report >= REPORT_S:
+        rates_now = not self._rates_said and self._train_rate is not None and self.extraction_rate() is not None
+        if long_wait and (now - self._last_report >= REPORT_S or (rates_now and self._last_report > 0)):
             self._last_report = now
+            self._rates_said = self._train_rate is not None and self.extraction_rate() is not None
             self.say(self.report(missing, rec))
         time.sleep(POLL_S)
         end = time.monotonic()
@@ -217,3 +221,15 @@ class Follower:
     def summary(self) -> dict[str, Any]:
         return {"waited_s": round(self.waited_s, 3), "waits": self.waits,
                 "extraction_rows_per_s": self.extraction_rate(), "training_rows_per_s": self._train_rate}
+
+
+def closing_line(follow: dict[str, Any], elapsed_s: float) -> str:
+    """What the trainer prints at the end of a --follow run, from Follower.summary(): how long it waited, and
+    both rates."""
+    ext, tr = follow.get("extraction_rows_per_s"), follow.get("training_rows_per_s")
+    rates = [f"extraction {ext:.3g} rows/s" if ext is not None else "extraction rate not measured",
+             f"training {tr:.3g} rows/s" if tr else "training rate not measured"]
+    share = f" ({100 * follow['waited_s'] / elapsed_s:.0f}% of the run)" if elapsed_s > 0 else ""
+    n = follow["waits"]
+    return (f"train: --follow: waited {follow['waited_s']:.1f} s{share} in {n} wait{'s' if n != 1 else ''} for the "
+            f"extraction; {', '.join(rates)}")

@@ -509,6 +509,10 @@ def _run_train(cfg: TrainConfig) -> dict[str, Any]:
                f"{last['ctx_tokens_per_s']:,.0f} ctx tok/s ({window}), data wait "
                f"{100 * out['data_wait_frac']:.1f}%, recompiles after warm-up {out['recompiles_after_warmup']}; "
                f"drafter -> {os.path.join(cfg.out, 'final')}")
+        if out.get("follow"):
+            from .follow import closing_line
+
+            print0(closing_line(out["follow"], out["elapsed_s"]))
         if out["val"]:
             v = out["val"]
             print0(f"train: held-out (--val-cache, {v['val_rows']} rows, step {v['step']}): loss {v['val_loss']:.4f}, "
