@@ -42,6 +42,7 @@ from dflash.core.config import ConfigError, build, check, coerce_all, read_prese
 from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.demo_assets import smollm2_gguf
 from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
+from dflash.demo_self import NAME as SELF
 from dflash.demo_sources import SOURCES, Conversation, as_messages, dialogues, load_source  # noqa: F401
 
 PRESET = "demo-gpu"
@@ -77,6 +78,14 @@ class GpuRecipe:
     # first source gives all its samples, the others as many as their share asks for (their pool repeated whole
     # when it is smaller); eval_prompts are split among them by share (the in-source set)
     sources: dict = field(default_factory=lambda: {"chitchat": 1.0})
+    # the `self` source (dflash/demo_self.py): user turns the target writes itself after its chat template's user
+    # header, sampled once (seeded) before the data stage; kept: those that ended within self_prompt_tokens, distinct
+    self_prompts: int = 8192  # turns sampled (when `self` is in sources)
+    self_prompt_tokens: int = 64
+    self_temperature: float = 1.0
+    self_top_p: float = 0.99
+    self_seed: int = 0
+    self_batch_size: int = 0  # rows sampled together; 0: regenerate's default (256 on GPU, 32 on CPU)
     heldout_source: str = ""  # a source kept whole out of training: the out-of-source eval set ("" = none)
     heldout_source_prompts: int = 0  # its prompts, taken round-robin over its categories; 0 = all
     # train while extracting: the validation data first, then `dflash train --follow` as a child process on the same
@@ -104,7 +113,8 @@ class GpuRecipe:
         check(isinstance(self.sources, dict) and bool(self.sources), "sources",
               f"must map data sources to their shares, e.g. {{chitchat: 0.9, humaneval: 0.1}}, got {self.sources!r}")
         for name, share in self.sources.items():
-            check(name in SOURCES, "sources", f"{name!r} is not a data source (known: {', '.join(SOURCES)})")
+            check(name in SOURCES or name == SELF, "sources",
+                  f"{name!r} is not a data source (known: {', '.join([*SOURCES, SELF])})")
             check(isinstance(share, (int, float)) and not isinstance(share, bool) and share > 0, "sources",
                   f"the share of {name} must be a number > 0, got {share!r}")
         check(self.heldout_source == "" or self.heldout_source in SOURCES, "heldout_source",
@@ -112,6 +122,12 @@ class GpuRecipe:
         check(self.heldout_source not in self.sources, "heldout_source",
               f"{self.heldout_source} is also a training source: an out-of-source set must be kept out of training")
         check(self.heldout_source_prompts >= 0, "heldout_source_prompts", "must be >= 0 (0 = all)")
+        check(self.self_prompts >= 1, "self_prompts", f"must be >= 1, got {self.self_prompts}")
+        check(self.self_prompt_tokens >= 1, "self_prompt_tokens", f"must be >= 1, got {self.self_prompt_tokens}")
+        check(self.self_temperature > 0, "self_temperature",
+              f"must be > 0 (greedy would write one turn {self.self_prompts} times), got {self.self_temperature}")
+        check(0 < self.self_top_p <= 1, "self_top_p", f"must be in (0, 1], got {self.self_top_p}")
+        check(self.self_batch_size >= 0, "self_batch_size", "must be >= 0 (0 = the default)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -313,16 +329,33 @@ def write_jsonl(path: str, rows: list[dict]) -> None:
     atomic_jsonl(path, rows, ensure_ascii=False)
 
 
-def prepare_data(workdir: str, recipe: GpuRecipe) -> tuple[str, str, dict, str]:
+def prepare_data(workdir: str, recipe: GpuRecipe, self_convs: list[Conversation] | None = None,
+                 self_record: dict | None = None) -> tuple[str, str, dict, str]:
     """data/train.jsonl (the training sources' samples mixed by share (mix_sources), the data's answers to be
     regenerated), data/heldout.jsonl (the eval prompts: in-source and out-of-source rows, with `set` and `category`
     for `dflash eval`'s table), data/valid.jsonl (the held-out conversations as samples, for the validation cache),
-    data/split.json (counts, per source too). Deterministic: a rerun writes the same files."""
+    data/split.json (counts, per source too). self_convs: the `self` source's conversations when it is one of the
+    sources (dflash/demo_self.py; its turns equal to a held-out source's prompt are dropped: that source stays never
+    trained on), self_record its record. Deterministic: a rerun writes the same files."""
     d = os.path.join(workdir, "data")
     os.makedirs(d, exist_ok=True)
-    pools = {k: [(c.key, [m["content"] for m in c.messages]) for c in load_source(k)] for k in recipe.sources}
     heldout = load_source(recipe.heldout_source) if recipe.heldout_source else None
+    if SELF in recipe.sources and self_convs is None:
+        raise ValueError("the recipe's sources name `self`: sample its prompts first (dflash/demo_self.py)")
+    self_dropped = 0
+    if SELF in recipe.sources:
+        banned = {" ".join(m["content"].split()).lower() for c in heldout or [] for m in c.messages
+                  if m["role"] == "user"}
+        kept = [c for c in self_convs if " ".join(c.messages[0]["content"].split()).lower() not in banned]
+        self_dropped, self_convs = len(self_convs) - len(kept), kept
+    pools = {k: [(c.key, [m["content"] for m in c.messages]) for c in (self_convs if k == SELF else load_source(k))]
+             for k in recipe.sources}
     samples, rows, counts, held_samples = mix_sources(pools, recipe, heldout)
+    if SELF in recipe.sources:
+        rec = self_record or {}
+        counts["self_prompts"] = {"sampled": rec.get("sampled"), "kept": rec.get("kept"),
+                                  "dropped": dict(rec.get("dropped") or {}, equal_to_heldout_source=self_dropped),
+                                  "mean_tokens_kept": rec.get("mean_tokens_kept"), "seconds": rec.get("seconds")}
     train, held = os.path.join(d, "train.jsonl"), os.path.join(d, "heldout.jsonl")
     valid = os.path.join(d, "valid.jsonl")
     write_jsonl(train, [{"messages": s} for s in samples])
@@ -439,9 +472,20 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
 
             target = convert_gguf(smollm2_gguf(), target)
     timings["prepare target"] = time.perf_counter() - t
+    self_convs = self_record = None
+    if SELF in recipe.sources:
+        from dflash.demo_self import self_prompts
+
+        start("self prompts")
+        t = time.perf_counter()
+        self_convs, self_record = self_prompts(workdir, target, recipe, device, progress)
+        timings["self prompts"] = time.perf_counter() - t
+        dropped = ", ".join(f"{v} {k.replace('_', ' ')}" for k, v in self_record["dropped"].items())
+        print(f"demo-gpu: self prompts: {self_record['kept']} of {self_record['sampled']} user turns sampled from the "
+              f"target kept ({self_record['mean_tokens_kept']} tokens on average; dropped: {dropped})", flush=True)
     start("data")
     t = time.perf_counter()
-    train_jsonl, held, counts, valid_jsonl = prepare_data(workdir, recipe)
+    train_jsonl, held, counts, valid_jsonl = prepare_data(workdir, recipe, self_convs, self_record)
     timings["data"] = time.perf_counter() - t
     print(f"demo-gpu: {counts['train_conversations_used']} training conversations ({counts['assistant_turns']} "
           f"assistant turns to regenerate, {counts['assistant_turns_cut_by_max_turns']} more cut by max_turns="
@@ -614,17 +658,19 @@ def set_summary(g: dict[str, Any]) -> dict[str, Any]:
 
 # Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-02, the preset with four sources and
 # follow: 16 min 26 s to the trained drafter; "train" is what training took after the extraction it ran beside). The
-# evals are estimates (96 and 16 prompts: the chitchat-only preset's 116 s for 48 and 28 s for 16, scaled). What is
-# shown is each stage's share of the whole.
-GPU_STAGE_SECONDS = {"prepare target": 19.0, "data": 5.0, "regenerate": 272.0, "extract": 80.0, "validation data": 42.0,
-                     "train": 568.0, "eval bfloat16": 232.0, "eval float32": 28.0}
+# evals are estimates (96 and 16 prompts: the chitchat-only preset's 116 s for 48 and 28 s for 16, scaled), and so
+# are the self prompts (bench/self_prompts.py sampled 8,192 in 15 s, plus loading the target). What is shown is each
+# stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 19.0, "self prompts": 20.0, "data": 5.0, "regenerate": 272.0, "extract": 80.0,
+                     "validation data": 42.0, "train": 568.0, "eval bfloat16": 232.0, "eval float32": 28.0}
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
     """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override)."""
     recipe = load_recipe(preset)
     ref = GPU_STAGE_SECONDS
-    secs = {k: ref[k] for k in ("prepare target", "data", "regenerate")}
+    secs = {k: ref[k] for k in ("prepare target", "self prompts", "data", "regenerate")
+            if k != "self prompts" or SELF in recipe.sources}
     if recipe.validation and recipe.follow:  # the trainer that follows the extraction needs the validation cache
         secs["validation data"] = ref["validation data"]
     secs["extract"] = ref["extract"]
