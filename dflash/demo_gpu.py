@@ -5,6 +5,7 @@ dflash.core.config like every preset; flags of `dflash demo` override a few). St
 into the same workdir:
 
     prepare target (bundled GGUF -> bf16 folder)
+    -> self prompts (only when `self` is one of the sources: user turns sampled from the target, dflash/demo_self.py)
     -> data: chitchat conversations split by conversation (a hash of its id: heldout_percent held out);
        history "target": each training conversation becomes ONE multi-turn `messages` sample (turns alternate
        user / assistant, the first turn is the user's), cut to max_turns messages, ending on an assistant turn,
@@ -15,18 +16,19 @@ into the same workdir:
        With several `sources` (dflash/demo_sources.py: chat and instruction datasets shipped in packages), each is
        split so and their samples mixed by fixed shares (mix_sources); the in-source eval prompts come from every
        source's held-out conversations, and a `heldout_source` kept whole out of training (MT-Bench) gives the
-       out-of-source prompts, beside them in the same eval (rows labelled `set` and `category`)
+       out-of-source prompts, beside them in the same eval (rows labelled `set` and `category`). The source `self`
+       (dflash/demo_self.py) is user turns the target writes itself, sampled in a stage of its own before this one
     -> regenerate the answers with the target (large batch)
     -> extract the hidden states (and the validation set's, for train's --val-cache) -> train (compiled CUDA-graph
        step, held-out loss and decoding tau at every checkpoint)
     -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
 
-Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json, regenerated/, regenerated-valid/,
-cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json), summary.json (the JSON summary, with the
-bars checked), time.json (the wall time of every run on the workdir: the time from nothing across resumes), caches/
-(the tokenise, datasets and matplotlib caches: nothing is written outside the workdir). Each stage prints its line
-with its expected share of the time as it starts; a rerun of a finished demo prints the stored result and changes
-nothing (dflash/demo_stages.py).
+Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json (and data/self-prompts.json{,l}),
+regenerated/, regenerated-valid/, cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json),
+summary.json (the JSON summary, with the bars checked), time.json (the wall time of every run on the workdir: the
+time from nothing across resumes), caches/ (the tokenise, datasets and matplotlib caches: nothing is written outside
+the workdir). Each stage prints its line with its expected share of the time as it starts; a rerun of a finished demo
+prints the stored result and changes nothing (dflash/demo_stages.py).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ output constraints (AllenAI; the package is Apache-2.0, the data ODC-BY-1.0); hu
 problems; mt_bench: MT-Bench's 80 two-turn questions, 10 in each of 8 categories (LMSYS, shipped in InstructLab's
 evaluation package).
 
+One more source needs no package: `self`, user turns the target writes itself after its chat template's user header
+(dflash/demo_self.py), sampled by the GPU recipe before its data stage.
+
 Each converter takes the file's parsed content (so tests can feed it the real file or a few rows) and returns the
 conversations; a missing package is a FileNotFoundError that says what to install (`make venv` installs them all).
 Conversations that repeat an earlier one up to its last user turn are dropped (the target's answer would be the
