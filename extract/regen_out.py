@@ -178,7 +178,8 @@ def dataset_card(meta: dict) -> str:
         "Each row: `messages` (OpenAI format: system and user turns verbatim, assistant turns written by the target) "
         "and `source_row` (the row of the input dataset).", "",
         *(["Only the last assistant turn of each row is the target's (`--turns last`); the earlier ones are the "
-           "input's, marked `\"weight\": 0` (context, not trained on).", ""] if s.get("turns") == "last" else []),
+           "input's, marked `\"weight\": 0` (context, not trained on); the target's is marked `\"weight\": 1`.", ""]
+          if s.get("turns") == "last" else []),
         f"Settings: max_new_tokens={s['max_new_tokens']}, temperature={s['temperature']}, top_p={s['top_p']}, "
         f"seed={s['seed']}, chat_template_kwargs={json.dumps(s['chat_template_kwargs'])}, dtype={s['dtype']}.", "",
         f"Status: {'complete' if meta.get('complete') else 'in progress'}; details in `{META_NAME}`.", "",

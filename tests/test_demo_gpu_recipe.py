@@ -247,7 +247,7 @@ def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path,
         assert len(regen) == d["train_samples"]
         for r in regen:
             answers = [m for m in r["messages"] if m["role"] == "assistant"]
-            assert all(m.get("weight") == 0 for m in answers[:-1]) and "weight" not in answers[-1]
+            assert all(m.get("weight") == 0 for m in answers[:-1]) and answers[-1]["weight"] == 1
     train_rows = [json.loads(x) for x in (work / "data" / "train.jsonl").read_text().splitlines()]
     valid_rows = [json.loads(x) for x in (work / "data" / "valid.jsonl").read_text().splitlines()]
     assert len(valid_rows) == d["validation_samples"]

@@ -602,6 +602,14 @@ def damaged_data(tmp: Path, how: str) -> Path:
         p.write_text("hello\n")
     elif how == "empty_dir":
         p = an_empty_dir(tmp)
+    elif how == "keys_apart":  # a later file's rows have a key the first file's lack (datasets reads the first's)
+        p = tmp / "parts"
+        p.mkdir()
+        write_jsonl(p / "a.jsonl", rows[:3])
+        write_jsonl(p / "b.jsonl", [{"messages": [dict(m, weight=0) if m["role"] == "assistant" else m
+                                                  for m in r["messages"]] + [{"role": "user", "content": "more"},
+                                                                            {"role": "assistant", "content": "x"}]}
+                                    for r in rows[3:]])
     else:
         raise ValueError(how)
     return p
@@ -620,6 +628,7 @@ DATA_DAMAGE = {
     "assistant_only": {"eval": "row 0", "regenerate": "row"},  # extract: an answer without a prompt is trained on
     "unsupported_file": {"extract": "data.txt", "eval": "data.txt", "regenerate": "data.txt"},
     "empty_dir": {"extract": "adir", "eval": "adir", "regenerate": "adir"},
+    "keys_apart": {c: "b.jsonl has messages[].weight that no row of" for c in ("extract", "eval", "regenerate")},
 }
 
 

@@ -518,7 +518,7 @@ def test_turns_last_answers_the_datas_own_history_and_extract_trains_on_that_ans
         text = tok.apply_chat_template(history, add_generation_prompt=True, tokenize=False)
         ref, stop = _reference(model, tok(text, add_special_tokens=False)["input_ids"], 12, eos)
         assert last == {"role": "assistant", "content": tok.decode(ref[:-1] if stop else ref, skip_special_tokens=False,
-                                                                   clean_up_tokenization_spaces=False)}, r
+                                                                   clean_up_tokenization_spaces=False), "weight": 1}, r
     # resuming with the other setting is refused, naming the flag
     with pytest.raises(ConfigError, match="--turns"):
         run_regenerate(_cfg(tiny, data, out))
@@ -539,6 +539,19 @@ def test_turns_last_answers_the_datas_own_history_and_extract_trains_on_that_ans
     c = dflash_cache.open(str(cache))
     sup = sum(int(c[i]["loss_mask"].sum()) for i in range(len(c)))
     assert sup == sum(sum(ct.encode(m)[1]) for m in got.values())
+
+
+def test_turns_last_parts_of_one_turn_and_of_several_read_as_one_dataset(tiny, tmp_path):
+    """A first part of one-turn conversations (nothing kept at weight 0) and a later one of longer ones: every part's
+    rows have the same keys (the target's answer says weight 1), so the folder reads as one dataset (datasets reads
+    it with the first part's columns: a weight only in later parts failed to cast)."""
+    rows = [{"messages": [{"role": "user", "content": "only this"}]},
+            {"messages": [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "kept"},
+                          {"role": "user", "content": "u2"}, {"role": "assistant", "content": "rewritten"}]}]
+    out = tmp_path / "out"
+    run_regenerate(_cfg(tiny, write_jsonl(tmp_path / "chats.jsonl", rows), out, turns="last", part_size=1))
+    ds = load_chat_dataset(str(out))
+    assert [[m.get("weight") for m in r["messages"] if m["role"] == "assistant"] for r in ds] == [[1], [0, 1]]
 
 
 def test_weight_must_be_0_or_1_on_an_assistant_message(tmp_path):

@@ -256,7 +256,48 @@ def _load_files(path: str, files: list[str], split: str, content: str):
             where = first_bad_json(f)
             if where:
                 raise DataError(f"could not read {f} as json: {where}") from e
+        if kind == "json" and len(files) > 1:
+            apart = _keys_apart(files)
+            if apart:
+                raise DataError(f"could not read {path} as json: {apart}") from e
         raise DataError(f"could not read {path} as {kind}: {type(e).__name__}: {e}") from e
+
+
+def _keys(value, at: str = "") -> set[str]:
+    """The key paths of a JSON value: "messages[].weight" for a key of the objects in a list."""
+    if isinstance(value, dict):
+        return {p for k, v in value.items() for p in {at + k} | _keys(v, at + k + ".")}
+    if isinstance(value, list):
+        return {p for v in value for p in _keys(v, at.rstrip(".") + "[].")}
+    return set()
+
+
+def _keys_apart(files: list[str]) -> str | None:
+    """When the files' rows do not share one set of keys (datasets reads every file with the columns it found in
+    the first): the first file with a key the first file's rows lack, and those keys; else None."""
+    def keys_of(f):
+        fh = _open_bytes(f)
+        if fh is None:
+            raise OSError(f)
+        with fh:
+            text = fh.read().decode("utf-8", errors="replace")
+        try:
+            doc = json.loads(text)
+            rows = doc if isinstance(doc, list) else [doc]
+        except ValueError:
+            rows = [json.loads(line) for line in text.splitlines() if line.strip()]
+        return set().union(*(_keys(r) for r in rows)) if rows else set()
+
+    try:
+        first = keys_of(files[0])
+        for f in files[1:]:
+            extra = sorted(keys_of(f) - first)
+            if extra:
+                return (f"{f} has {', '.join(extra[:4])} that no row of {files[0]} has, and the files are read with "
+                        "the first one's columns: give every file's rows the same keys, or load the files apart")
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 def _no_rows(kind: str, files: list[str]) -> bool:
