@@ -106,6 +106,9 @@ def sample(target: str, settings: dict[str, Any], device: str = "auto", batch_si
                        on_result=(lambda r: bar.update(1)) if bar is not None else None)
     if bar is not None:
         bar.close()
+    del model  # the next stages load the target again in this process: give its memory back
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in res]
     return texts, [r.stopped for r in res], [len(r.tokens) for r in res], prefix
 
