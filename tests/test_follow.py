@@ -287,7 +287,7 @@ def test_ranks_of_a_follower_wait_for_the_shards_of_the_whole_global_batch(tmp_p
 def test_a_waiting_follower_reports_both_rates_as_soon_as_they_are_measured(monkeypatch):
     """The first report of a wait comes before any rate is known; the next one comes as soon as both are, not
     REPORT_S later; the closing line gives both. Clock, commits and the lock's holder are the test's own."""
-    import train.follow as f
+    import dflash.train.follow as f
 
     clock = [100.0]
     monkeypatch.setattr(f.time, "monotonic", lambda: clock[0])

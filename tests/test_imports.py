@@ -26,7 +26,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 STAGES = {"extract": REPO / "extract", "train": REPO / "train"}
 COMMANDS = {"dflash.cli", "dflash.cli_options", "dflash.demo", "dflash.demo_gpu", "dflash.demo_assets",
-            "dflash.__main__", "dflash.pipeline", "dflash.demo_sources", "dflash.demo_stages"}
+            "dflash.__main__", "dflash.pipeline", "dflash.demo_sources", "dflash.demo_stages", "dflash.demo_self"}
 
 
 def _modules(package: str, folder: Path) -> list[str]:
