@@ -320,6 +320,25 @@ def test_a_waiting_follower_reports_both_rates_as_soon_as_they_are_measured(monk
     line = f.closing_line(fol.summary(), 30.0)
     assert re.fullmatch(r"train: --follow: waited \d+\.\d s \(\d+% of the run\) in 2 waits for the extraction; "
                         r"extraction [\d.]+ rows/s, training 1\.33 rows/s", line), line
+    assert f.closing_line(fol.summary(trained_rows_per_s=9.0), 30.0).endswith("training 1.33 rows/s")  # measured
+
+
+def test_a_follower_that_waited_only_at_its_start_closes_with_the_trainers_own_rate(monkeypatch):
+    """A run whose one wait came before its first step measured no rate between two waits: the closing line gives
+    the rate the trainer measured (its last log window), not "not measured"."""
+    import dflash.train.follow as f
+
+    clock = [0.0]
+    monkeypatch.setattr(f.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(f.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(f, "holder", lambda path: ({"pid": 7, "host": "h", "command": "dflash extract"}, None))
+    fol = f.Follower("/nowhere", world=1, say=lambda line: None)
+    for _ in range(4):
+        fol([0], 0)
+    assert f.closing_line(fol.summary(), 400.0).endswith("training rate not measured")
+    line = f.closing_line(fol.summary(trained_rows_per_s=157.0), 400.0)
+    assert re.fullmatch(r"train: --follow: waited 1\.0 s \(0% of the run\) in 1 wait for the extraction; "
+                        r"extraction rate not measured, training 157 rows/s", line), line
 
 
 # ------------------------------------------------------------------------------------------------ real processes

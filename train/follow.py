@@ -218,9 +218,13 @@ class Follower:
         return (f"train: --follow: waiting for shard {missing[0]}{more}: {self._committed()}; "
                 f"{', '.join(rates)}{who}")
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, trained_rows_per_s: float | None = None) -> dict[str, Any]:
+        """The figures of the closing line. The training rate is the one measured between two waits; a run that
+        waited once (at its start) measured none, and the trainer's own rate of its last log window
+        (`trained_rows_per_s`) stands in."""
+        rate = self._train_rate or trained_rows_per_s
         return {"waited_s": round(self.waited_s, 3), "waits": self.waits,
-                "extraction_rows_per_s": self.extraction_rate(), "training_rows_per_s": self._train_rate}
+                "extraction_rows_per_s": self.extraction_rate(), "training_rows_per_s": rate}
 
 
 def closing_line(follow: dict[str, Any], elapsed_s: float) -> str:

@@ -331,8 +331,9 @@ class Trainer:
                "recompiles_after_warmup": recompiles, "final": os.path.join(cfg.out, "final"), "params": self.nparams,
                "compiled": self.compiled, "compile_check": self.check, "first_compiled_call": self.first_call,
                "val": next((h for h in reversed(self.history) if "val_loss" in h), None)}
-        if self.follower is not None:
-            out["follow"] = self.follower.summary()
+        if self.follower is not None:  # the rate of the last log window, for a run that waited only at its start
+            last = next((h for h in reversed(self.history) if "ctx_tokens_per_s" in h), None)
+            out["follow"] = self.follower.summary(last["ctx_tokens_per_s"] / self.cache.seq_len if last else None)
         if dist.is_main:
             atomic_json(os.path.join(cfg.out, "summary.json"), out)
         return out
