@@ -1,4 +1,5 @@
-"""The GPU recipe of `dflash demo`: SmolLM2-135M-Instruct + every user turn of chitchat, on one CUDA GPU.
+"""The GPU recipe of `dflash demo`: SmolLM2-135M-Instruct + user turns it writes itself and the user turns of
+chitchat and three other packaged datasets (configs/demo-gpu.yaml's `sources`), on one CUDA GPU.
 
 Sizes and hyper-parameters live in the preset configs/demo-gpu.yaml (one section per stage, read with
 dflash.core.config like every preset; flags of `dflash demo` override a few). Stages, each resumed when rerun
@@ -658,13 +659,11 @@ def set_summary(g: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-02, the preset with four sources and
-# follow: 16 min 26 s to the trained drafter; "train" is what training took after the extraction it ran beside). The
-# evals are estimates (96 and 16 prompts: the chitchat-only preset's 116 s for 48 and 28 s for 16, scaled), and so
-# are the self prompts (bench/self_prompts.py sampled 8,192 in 15 s, plus loading the target). What is shown is each
-# stage's share of the whole.
-GPU_STAGE_SECONDS = {"prepare target": 19.0, "self prompts": 20.0, "data": 5.0, "regenerate": 272.0, "extract": 80.0,
-                     "validation data": 42.0, "train": 568.0, "eval bfloat16": 232.0, "eval float32": 28.0}
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with the self source and
+# follow: 19 min 26 s with both evals; "train" is what training took after the extraction it ran beside).
+# BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 24.0, "self prompts": 52.0, "data": 4.0, "regenerate": 232.0, "extract": 66.0,
+                     "validation data": 50.0, "train": 402.0, "eval bfloat16": 303.0, "eval float32": 34.0}
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
@@ -723,8 +722,8 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         return summary
     plan = gpu_stage_plan(preset, train_overrides)
     print(f"demo: the GPU recipe ({preset}) in {len(plan.seconds)} stages, about "
-          f"{sum(plan.seconds.values()) / 60:.0f} min on one H200 (the chitchat-only preset); the first training "
-          "steps compile the step (minutes)", flush=True)
+          f"{sum(plan.seconds.values()) / 60:.0f} min on one H200 (as measured for the shipped preset); the first "
+          "training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     clock = WorkTime(workdir, timings)
