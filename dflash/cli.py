@@ -38,7 +38,7 @@ def main():
     """Train DFlash speculative-decoding drafters for a Hugging Face causal LM.
 
     \b
-    Pipeline:  regenerate (optional) -> extract -> train -> eval
+    Pipeline:  prompts, regenerate (optional) -> extract -> train -> eval
     extract runs the frozen target once and writes hidden states to a cache on disk;
     train reads that cache (as often as you like) on other GPUs; eval measures the
     drafter by real speculative decoding. `dflash demo` runs it all on a tiny real model.
@@ -420,6 +420,53 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
         from dflash.core.dist import write_json0
 
         write_json0(json_out, summary)
+
+
+@main.command()
+@option("--target", help="The instruction-tuned target that writes the turns: a local HF model directory or a .gguf file.")
+@option("--out", help="Directory for the prompts (OUT/prompts.jsonl, read by `dflash regenerate --data OUT`).")
+@option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
+@option("--num", type=int, help="User turns to sample (those kept are fewer: the unended, empty and repeated are dropped).")
+@option("--max-new-tokens", type=int, help="A turn must end within this many tokens to be kept.")
+@option("--temperature", type=float, help="Sampling temperature (> 0).")
+@option("--top-p", type=float, help="Nucleus sampling mass.")
+@option("--seed", type=int, help="Sampling seed; row i's text depends only on it, i and the settings.")
+@option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
+@option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
+@option("--part-size", type=int, help="Rows per written part (the unit of resume).")
+@option("--batch-size", type=int, help="Sequences sampled together.", default_text="256 on GPU, 32 on CPU")
+@option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
+@option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
+@option("--json", "json_out", help="Also write the record (settings, counts, seconds) to this JSON file.")
+@option("--no-progress", is_flag=True, help="No progress bar.")
+def prompts(preset, json_out, no_progress, **flags):
+    """Sample user turns from the target itself: prompts for training data beyond the data at hand.
+
+    An instruction-tuned target, given its chat template up to where a user's words
+    begin, writes a user turn of the kind it was tuned on (Magpie's pre-query
+    template). Turns that end on their own within --max-new-tokens, are not empty and
+    are distinct are kept in OUT/prompts.jsonl; counts and settings in
+    OUT/dflash_prompts.json. Rerunning the same command resumes (by parts); a changed
+    setting is an error unless --overwrite. One process (one GPU).
+
+    \b
+    Then:  dflash regenerate --target T --data OUT --out ANSWERS   (the target answers them)
+           and mix ANSWERS with your other data for `dflash extract`.
+    """
+    from dflash.extract.prompts import PromptsConfig, run_prompts
+
+    flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
+    if no_progress:
+        flags["progress"] = False
+    cfg = build(PromptsConfig, preset, "prompts", flags)
+    check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, target=cfg.target)
+    check_target(cfg.target)
+    record = run_prompts(cfg)
+    if json_out:
+        from dflash.core.io import atomic_json
+
+        atomic_json(json_out, record)
 
 
 @main.command()

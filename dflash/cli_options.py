@@ -114,6 +114,7 @@ COMMAND_CONFIGS = {
     "train": ("dflash.train.trainer", "TrainConfig"),
     "eval": ("dflash.train.eval", "EvalConfig"),
     "regenerate": ("dflash.extract.regenerate", "RegenerateConfig"),
+    "prompts": ("dflash.extract.prompts", "PromptsConfig"),
 }
 
 

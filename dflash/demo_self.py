@@ -10,12 +10,11 @@ are such turns: MT-Bench tau 1.76 against 1.48 without them (BENCHMARKS.md, "GPU
 
     convs, record = self_prompts(workdir, target, recipe, device)   # [Conversation("self:00042", [user, ""]), ...]
 
-Sampling: the template up to the user's words (prefix_of; SmolLM2's carries its default system prompt) is the
-prompt of every row; each row draws its own counter-based stream (rng_key(seed, row): extract/generate.py), so the
-text of row i depends on neither the batch nor the device count, and a rerun on the same hardware and software
-writes the same turns. Kept: turns that ended on their own (an end-of-sequence id within self_prompt_tokens), not
-empty once stripped, the first of equal ones. A kept turn's key is its row ("self:00042"): the recipe's split by a
-hash of the key holds some out as in-source eval prompts, like any source's.
+Sampling is `dflash prompts`' (extract/prompts.py: prefix_of, sample, keep; SmolLM2's prefix carries its default
+system prompt): row i's text depends on neither the batch nor the device count. Kept: turns that ended on their own
+(an end-of-sequence id within self_prompt_tokens), not empty once stripped, the first of equal ones. A kept turn's
+key is its row ("self:00042"): the recipe's split by a hash of the key holds some out as in-source eval prompts, like
+any source's.
 
 Files: WORKDIR/data/self-prompts.jsonl (the kept turns: {"key", "prompt"}) and WORKDIR/data/self-prompts.json (the
 settings, the target's identity, the counts, the prefix, the seconds). A rerun with the same settings and target reads
@@ -34,17 +33,6 @@ from dflash.demo_sources import Conversation, as_messages
 
 NAME = "self"  # the source's name in the recipe's `sources`
 RECORD, PROMPTS = "self-prompts.json", "self-prompts.jsonl"
-MARKER = "\x00dflash-user-words\x00"
-
-
-def prefix_of(tokenizer) -> str:
-    """The chat template's text up to where a user's words begin (a one-turn conversation rendered with MARKER as
-    the user's words, cut at it). ValueError if the template drops or rewrites the user's words."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False)
-    if MARKER not in text:
-        raise ValueError("the target's chat template does not render a user's words as given: the self source needs "
-                         "it to (leave `self` out of the recipe's sources)")
-    return text[: text.index(MARKER)]
 
 
 def settings_of(recipe) -> dict[str, Any]:
@@ -53,72 +41,13 @@ def settings_of(recipe) -> dict[str, Any]:
             "temperature": recipe.self_temperature, "top_p": recipe.self_top_p, "seed": recipe.self_seed}
 
 
-def target_identity(target: str) -> dict[str, str]:
-    """The target's configuration and weight files (names and sizes): another target samples again."""
-    from dflash.core.target import config_fingerprint, load_config, weights_fingerprint
-
-    return {"config": config_fingerprint(load_config(target)), "weights": weights_fingerprint(target)}
-
-
-def keep(texts: list[str], stopped: list[bool]) -> tuple[list[tuple[int, str]], dict[str, int]]:
-    """(row, text) of the turns kept, in row order, and the counts of those dropped by reason."""
-    seen: set[str] = set()
-    kept, dropped = [], {"not_ended": 0, "empty": 0, "repeated": 0}
-    for i, (text, ended) in enumerate(zip(texts, stopped)):
-        text = text.strip()
-        why = "not_ended" if not ended else "empty" if not text else "repeated" if text in seen else None
-        if why:
-            dropped[why] += 1
-            continue
-        seen.add(text)
-        kept.append((i, text))
-    return kept, dropped
-
-
-def sample(target: str, settings: dict[str, Any], device: str = "auto", batch_size: int = 0,
-           progress: bool = True) -> tuple[list[str], list[bool], list[int], str]:
-    """(texts, ended, tokens, prefix): settings["prompts"] user turns sampled from the target after prefix_of."""
-    import torch
-
-    from dflash.core.chat import eos_ids_of
-    from dflash.core.dist import parse_device, resolve_dtype
-    from dflash.core.target import load_causal_lm, load_config, load_tokenizer
-    from dflash.extract.generate import generate
-    from dflash.extract.slab import plan_engine
-
-    dev = parse_device(device)
-    dtype = resolve_dtype("auto", dev)
-    tok = load_tokenizer(target)
-    prefix = prefix_of(tok)
-    ids = tok(prefix, add_special_tokens=False)["input_ids"]
-    model = load_causal_lm(target, device=dev, dtype=dtype, attn_impl="sdpa")
-    eos = eos_ids_of(model, tok)
-    batch, max_tokens, prefill = plan_engine(load_config(target), dtype, dev, batch_size)
-    n = settings["prompts"]
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=n, desc="self prompts", unit="prompt", dynamic_ncols=True)
-    with torch.inference_mode():
-        res = generate(model, [ids] * n, eos_ids=eos, max_new_tokens=settings["max_new_tokens"], batch_size=batch,
-                       max_batch_tokens=max_tokens, prefill_tokens=prefill, temperature=settings["temperature"],
-                       top_p=settings["top_p"], seed=settings["seed"], pad_id=min(eos) if eos else 0,
-                       on_result=(lambda r: bar.update(1)) if bar is not None else None)
-    if bar is not None:
-        bar.close()
-    del model  # the next stages load the target again in this process: give its memory back
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    texts = [tok.decode(r.tokens, skip_special_tokens=True) for r in res]
-    return texts, [r.stopped for r in res], [len(r.tokens) for r in res], prefix
-
-
 def self_prompts(workdir: str, target: str, recipe, device: str = "auto",
                  progress: bool = True) -> tuple[list[Conversation], dict[str, Any]]:
     """The self source's conversations (one user turn each, an empty answer for `regenerate` to write) and its
     record: read from WORKDIR/data when sampled before with the same settings and target, else sampled and
     written there (module docstring)."""
+    from dflash.extract.prompts import keep, sample, target_identity  # (the stage, when the recipe samples)
+
     d = os.path.join(workdir, "data")
     record_path, prompts_path = os.path.join(d, RECORD), os.path.join(d, PROMPTS)
     want = {"settings": settings_of(recipe), "target": target_identity(target)}

@@ -383,14 +383,15 @@ class Engine:
 def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int], max_new_tokens: int | Sequence[int],
              batch_size: int = 32, max_batch_tokens: int = 1 << 20, prefill_tokens: int = 8192,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, pad_id: int = 0,
-             refill: int | None = None, on_result=None) -> list[Result]:
+             refill: int | None = None, on_result=None, first_row: int = 0) -> list[Result]:
     """Generate for every prompt (token ids); Results in prompt order. Longest prompts are admitted first.
-    max_new_tokens may be one int or one per prompt. Sampling stream of prompt i: rng_key(seed, i)."""
+    max_new_tokens may be one int or one per prompt. Sampling stream of prompt i: rng_key(seed, first_row + i)
+    (a call over rows 100..199 samples what one call over rows 0..199 samples for them)."""
     eng = Engine(model, eos_ids=eos_ids, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                  prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id, refill=refill)
     mnt = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     for i, p in enumerate(prompts):
-        eng.add(Request(list(map(int, p)), int(mnt[i]), key=i, rng_key=rng_key(seed, i), priority=(-len(p), i)))
+        eng.add(Request(list(map(int, p)), int(mnt[i]), key=i, rng_key=rng_key(seed, first_row + i), priority=(-len(p), i)))
     out: list[Result | None] = [None] * len(prompts)
     while eng.busy:
         for r in eng.step():

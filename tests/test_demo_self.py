@@ -17,7 +17,8 @@ import pytest
 
 from dflash.core.config import ConfigError
 from dflash.demo_gpu import GpuRecipe, prepare_data
-from dflash.demo_self import MARKER, keep, prefix_of, sample, self_prompts
+from dflash.demo_self import self_prompts
+from dflash.extract.prompts import MARKER, keep, prefix_of, sample
 from dflash.demo_sources import Conversation, as_messages
 from tests.tiny import make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer
 
@@ -73,12 +74,12 @@ def test_sampling_is_the_same_in_any_batch_and_a_rerun_reads_what_was_sampled(ti
     rows = [json.loads(x) for x in (tmp_path / "data" / "self-prompts.jsonl").read_text().splitlines()]
     assert [(x["key"], x["prompt"]) for x in rows] == [(c.key, c.messages[0]["content"]) for c in convs]
 
-    import dflash.demo_self as ds
+    import dflash.extract.prompts as pr
 
     def no_sampling(*a, **k):
         raise AssertionError("sampled again")
 
-    monkeypatch.setattr(ds, "sample", no_sampling)
+    monkeypatch.setattr(pr, "sample", no_sampling)
     again, rec2 = self_prompts(str(tmp_path), tiny, r, "cpu", progress=False)
     assert again == convs and rec2 == rec
     monkeypatch.undo()

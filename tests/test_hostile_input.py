@@ -4,7 +4,7 @@ Each case must end as README's "Bad input" guarantee says: exit code 2 and exact
 the flag, file or row, never a traceback (an unexpected exception fails the test with its traceback:
 tests/test_trust.py's `cli`). The cases are tables, so that a new flag or file kind is one more row:
 
-    1. numbers      every integer and float option of extract, train, eval, regenerate, cache verify and demo (found
+    1. numbers      every integer and float option of extract, train, eval, regenerate, prompts, cache verify and demo (found
                     by walking the click commands; NUMBERS must know each one's valid range): just below its range,
                     negative, nan/inf, a fraction for an integer, a word
     2. words        every choice option given an unknown value; --layers, --device, --gpus, --split,
@@ -106,6 +106,7 @@ def command(name: str, w: dict, tmp: Path, **flags) -> list:
                  "max-new-tokens": 4},
         "regenerate": {"target": w["target"], "data": w["data"], "out": tmp / "regen", "max-samples": 2,
                        "max-new-tokens": 4},
+        "prompts": {"target": w["target"], "out": tmp / "prompts", "num": 2, "max-new-tokens": 4},
     }[name]
     base.update(flags)
     argv = [name]
@@ -137,6 +138,8 @@ NUMBERS: dict[str, dict[str, tuple]] = {
     "regenerate": {"--max-samples": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF),
                    "--top-p": (0.0, 1.0, "left-open"), "--seed": (0, INF), "--part-size": (1, INF),
                    "--batch-size": (0, INF), "--max-batch-tokens": (0, INF), "--prefill-tokens": (0, INF)},
+    "prompts": {"--num": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF, "open"),
+                "--top-p": (0.0, 1.0, "left-open"), "--seed": (0, INF), "--part-size": (1, INF), "--batch-size": (0, INF)},
     "cache verify": {"--threads": (1, INF)},
     "demo": {"--train-prompts": (8, INF), "--eval-prompts": (1, INF), "--train-steps": (1, INF),
              "--drafter-layers": (1, INF)},
@@ -208,7 +211,7 @@ def test_bad_number(world, tmp_path, cmd, flag, value):
 
 
 def choice_cases():
-    for cmd in ("extract", "train", "eval", "regenerate", "demo"):
+    for cmd in ("extract", "train", "eval", "regenerate", "prompts", "demo"):
         for p in click_command(cmd).params:
             if isinstance(p, click.Option) and isinstance(p.type, click.Choice):
                 yield pytest.param(cmd, p.opts[0], id=f"{cmd}{p.opts[0]}")
@@ -242,6 +245,8 @@ WORDS = [
     ("eval", "chat-template-kwargs", "enable_thinking", "--chat-template-kwargs"),
     ("regenerate", "chat-template-kwargs", "x={", "--chat-template-kwargs"),
     ("regenerate", "chat-template-kwargs", "a b=1", "--chat-template-kwargs"),
+    ("prompts", "chat-template-kwargs", "x=[", "--chat-template-kwargs"),
+    ("prompts", "device", "meta", "--device"),
     ("train", "mask-token-id", "100000", "--mask-token-id"),
 ]
 
@@ -251,12 +256,14 @@ def test_bad_word(world, tmp_path, cmd, flag, value, needle):
     error_line(*cli(*command(cmd, world, tmp_path, **{flag: value})), needle)
 
 
-@pytest.mark.parametrize("cmd", ["extract", "train", "eval", "regenerate", "demo", "cache verify", "cache info"])
+@pytest.mark.parametrize("cmd", ["extract", "train", "eval", "regenerate", "prompts", "demo", "cache verify",
+                                 "cache info"])
 def test_unknown_option_and_missing_value(world, tmp_path, cmd):
     head = cmd.split()
     error_line(*cli(*head, "--no-such-flag"), "--no-such-flag")
-    if cmd in ("extract", "train", "eval", "regenerate"):
-        error_line(*cli(*command(cmd, world, tmp_path)[:-1], "--seed" if cmd in ("train", "regenerate") else "--split"))
+    if cmd in ("extract", "train", "eval", "regenerate", "prompts"):
+        error_line(*cli(*command(cmd, world, tmp_path)[:-1],
+                        "--seed" if cmd in ("train", "regenerate", "prompts") else "--split"))
 
 
 def test_unknown_command():
@@ -332,6 +339,8 @@ PATH_FLAGS = [
     ("eval", "plot", "out_file"),
     ("regenerate", "target", "in"), ("regenerate", "data", "in"), ("regenerate", "out", "out_dir"),
     ("regenerate", "chat-template", "in_file"), ("regenerate", "json", "out_file"),
+    ("prompts", "target", "in"), ("prompts", "out", "out_dir"), ("prompts", "chat-template", "in_file"),
+    ("prompts", "json", "out_file"),
 ]
 PATH_KINDS = {
     "in": ["missing", "dangling", "empty_dir", "file"],
@@ -373,7 +382,7 @@ def test_bad_path(world, tmp_path, cmd, flag, kind):
         assert f"--{flag}" in line, line
 
 
-@pytest.mark.parametrize("cmd", ["extract", "train", "regenerate"])
+@pytest.mark.parametrize("cmd", ["extract", "train", "regenerate", "prompts"])
 def test_out_on_a_readonly_filesystem(world, tmp_path, readonly_dir, cmd):
     out = readonly_dir / "out"
     error_line(*cli(*command(cmd, world, tmp_path, out=out)), "--out", str(readonly_dir))

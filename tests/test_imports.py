@@ -91,7 +91,7 @@ def test_every_command_help_resolves_the_stages_by_their_dflash_names():
     """--help of each command imports its config dataclass by module name (the defaults it shows): those names
     are dflash.extract.* / dflash.train.*; no top-level `extract` or `train` module is ever loaded."""
     code = ("import sys\nfrom click.testing import CliRunner\nfrom dflash.cli import main\n"
-            "for cmd in ('extract', 'train', 'eval', 'regenerate', 'demo', 'cache'):\n"
+            "for cmd in ('extract', 'train', 'eval', 'regenerate', 'prompts', 'demo', 'cache'):\n"
             "    r = CliRunner().invoke(main, [cmd, '--help'])\n"
             "    assert r.exit_code == 0, (cmd, r.output, r.exception)\n"
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('extract', 'train')))")

@@ -50,6 +50,7 @@ def _env(**extra) -> dict[str, str]:
 
 
 def _sections():
+    from dflash.extract.prompts import PromptsConfig
     from dflash.extract.regenerate import RegenerateConfig
     from dflash.extract.run import ExtractConfig
     from dflash.train.eval import EvalConfig
@@ -57,6 +58,7 @@ def _sections():
 
     # section -> (config class, the required settings a preset leaves to the command line)
     return {
+        "prompts": (PromptsConfig, {"target": "T", "out": "O"}),
         "regenerate": (RegenerateConfig, {"target": "T", "data": "D", "out": "O"}),
         "extract": (ExtractConfig, {"target": "T", "data": "D", "out": "O"}),
         "train": (TrainConfig, {"cache": "C", "target": "T", "out": "O"}),

@@ -69,6 +69,7 @@ def _is_saved_dataset(directory: str) -> bool:
 
 
 REGENERATE_META = "dflash_regenerate.json"  # written beside its parts by `dflash regenerate`: not data
+PROMPTS_META = "dflash_prompts.json"  # written beside prompts.jsonl by `dflash prompts`: not data
 REGENERATE_PART = re.compile(r"^part-(\d{5,})\.jsonl$")  # OUT/data/part-00007.jsonl; its counts beside it first
 
 
@@ -89,13 +90,31 @@ def _data_files_under(directory: str) -> list[str]:
     for root, dirs, names in os.walk(directory):
         dirs[:] = sorted(d for d in dirs if not d.startswith("."))
         files.extend(os.path.join(root, n) for n in names
-                     if not n.startswith(".") and n != REGENERATE_META and _file_kind(n))
+                     if not n.startswith(".") and n not in (REGENERATE_META, PROMPTS_META) and _file_kind(n))
     return sorted(files)
 
 
 def _check_regenerated(path: str, local: str, files: list[str]) -> None:
     """Data inside a `dflash regenerate` output must come from a finished one: a partial output would be used as
-    if it were the whole. OUT is recognised from --data itself (OUT, or OUT/data) and from every file read."""
+    if it were the whole. OUT is recognised from --data itself (OUT, or OUT/data) and from every file read. The
+    same for a `dflash prompts` output (its prompts.jsonl appears when it is finished)."""
+    if os.path.isdir(local):  # the folder and every folder below it that the loader reads
+        dirs = []
+        for root, subdirs, names in os.walk(local):
+            subdirs[:] = [d for d in subdirs if not d.startswith(".")]
+            if PROMPTS_META in names:
+                dirs.append(root)
+    else:
+        dirs = sorted({os.path.dirname(os.path.abspath(f)) for f in files or [local]})
+    for d in dirs:
+        try:
+            with open(os.path.join(d, PROMPTS_META), encoding="utf-8") as f:
+                rec = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(rec, dict) and rec.get("complete") is False:
+            raise DataError(f"--data {path}: {d} is an unfinished `dflash prompts` output (its record says "
+                            "incomplete); rerun the same `dflash prompts` command to finish it")
     outs = set()
     if os.path.isdir(local):
         outs.add(os.path.abspath(local))
