@@ -471,7 +471,7 @@ def prompts(preset, json_out, no_progress, **flags):
 
 @main.command()
 @click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
-              help="cpu: the 2-core recipe; gpu: every user turn of chitchat on one GPU (configs/demo-gpu.yaml); "
+              help="cpu: the 2-core recipe; gpu: ~68k samples of five sources on one GPU (configs/demo-gpu.yaml); "
                    "auto: gpu when CUDA is available.")
 @click.option("--workdir", help="Where everything is written (reruns resume).  [default: work/demo, GPU: work/demo-gpu]")
 @click.option("--config", help="The GPU recipe's preset (path or name in configs/).  [default: demo-gpu]")

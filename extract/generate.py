@@ -391,7 +391,8 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int],
                  prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id, refill=refill)
     mnt = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     for i, p in enumerate(prompts):
-        eng.add(Request(list(map(int, p)), int(mnt[i]), key=i, rng_key=rng_key(seed, first_row + i), priority=(-len(p), i)))
+        eng.add(Request(list(map(int, p)), int(mnt[i]), key=i, rng_key=rng_key(seed, first_row + i),
+                        priority=(-len(p), i)))
     out: list[Result | None] = [None] * len(prompts)
     while eng.busy:
         for r in eng.step():

@@ -46,14 +46,17 @@ MARKER = "\x00dflash-user-words\x00"
 
 def prefix_of(tokenizer, chat_template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
     """The chat template's text up to where a user's words begin (a one-turn conversation rendered with MARKER as
-    the user's words, cut at it). ValueError if the template drops or rewrites the user's words."""
+    the user's words, cut at it). DataError without a template, or if it drops or rewrites the user's words."""
     kw = dict(chat_template_kwargs or {})
     if chat_template is not None:
         kw["chat_template"] = chat_template
+    elif not getattr(tokenizer, "chat_template", None):
+        raise DataError("the target's tokenizer has no chat template, so there is no user header to sample after: "
+                        "pass --chat-template FILE (the template the target was tuned with)")
     text = tokenizer.apply_chat_template([{"role": "user", "content": MARKER}], tokenize=False, **kw)
     if MARKER not in text:
-        raise ValueError("the target's chat template does not render a user's words as given, so no text ends where "
-                         "a user's words begin: self-written prompts need a template that does")
+        raise DataError("the target's chat template does not render a user's words as given, so no text ends where "
+                        "a user's words begin: self-written prompts need a template that does (--chat-template FILE)")
     return text[: text.index(MARKER)]
 
 
@@ -269,8 +272,12 @@ def run_prompts(cfg: PromptsConfig) -> dict[str, Any]:
 def _run(cfg: PromptsConfig) -> dict[str, Any]:
     from dflash.core.dist import parse_device, resolve_dtype
 
+    from dflash.core.target import load_tokenizer
+
     t0 = time.perf_counter()
     dtype = resolve_dtype(cfg.dtype, parse_device(cfg.device))
+    prefix = prefix_of(load_tokenizer(cfg.target), _template_text(cfg.chat_template), cfg.chat_template_kwargs)
+    # (before anything is written: a template that cannot be used is one error line and leaves OUT as it was)
     want = {"format": FORMAT, "settings": cfg.settings(dtype), "target": target_identity(cfg.target)}
     old = None if cfg.overwrite else read_record(cfg.out)
     if old is not None:
@@ -303,7 +310,6 @@ def _run(cfg: PromptsConfig) -> dict[str, Any]:
     if todo:
         sampler = Sampler(cfg.target, cfg.device, cfg.dtype, cfg.batch_size, cfg.chat_template,
                           cfg.chat_template_kwargs)
-        prefix = sampler.prefix
         print(f"prompts: sampling {todo_rows:,} user turns from {cfg.target} after {prefix!r} (temperature "
               f"{cfg.temperature:g}, top-p {cfg.top_p:g}, seed {cfg.seed}, at most {cfg.max_new_tokens} tokens each) "
               f"on {sampler.device}", flush=True)
@@ -317,10 +323,6 @@ def _run(cfg: PromptsConfig) -> dict[str, Any]:
         if bar is not None:
             bar.close()
         sampler.close()
-    else:  # every part was sampled before (a run stopped while it wrote the result)
-        from dflash.core.target import load_tokenizer
-
-        prefix = prefix_of(load_tokenizer(cfg.target), _template_text(cfg.chat_template), cfg.chat_template_kwargs)
     rows = [r for p in range(n_parts) for r in _read_part(cfg.out, p, rows_of[p][1] - rows_of[p][0])]
     kept, dropped = keep([r["text"] for r in rows], [r["ended"] for r in rows])
     if not kept:

@@ -118,3 +118,18 @@ def test_regenerate_answers_the_prompts(tiny, tmp_path):
     assert len(convs) == len(kept)
     for c, k in zip(convs, kept):
         assert c["messages"][0] == k["messages"][0] and c["messages"][1]["role"] == "assistant"
+
+
+def test_a_target_without_a_chat_template_is_one_error_line(tiny, tmp_path):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tiny, bare)
+    os.remove(bare / "chat_template.jinja")
+    error_line(*cli("prompts", "--target", bare, "--out", tmp_path / "p", "--num", 4, "--device", "cpu",
+                    "--no-progress"), "no chat template", "--chat-template")
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}")
+    assert not (tmp_path / "p").exists()  # refused before anything was written
+    run(bare, tmp_path / "p", "--chat-template", template)
+    assert record(tmp_path / "p")["prefix"] == "<|im_start|>user\n" and record(tmp_path / "p")["kept"] >= 1
