@@ -192,6 +192,12 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     rank_of = {s: k for k, s in enumerate(dflash_cache.shard_order(spec.num_shards))}
     todo = sorted((s for s in mine if s not in writer.committed), key=rank_of.__getitem__)
     print0(f"extract: {data.summary()}")
+    ctx = getattr(tc, "max_position_embeddings", None)
+    beyond = sum(1 for n in lengths if n > ctx) if isinstance(ctx, int) and ctx > 0 else 0
+    if beyond:  # positions restart in each conversation: only one longer than the context runs past it
+        print0(f"extract: note: {beyond} conversations are longer than the target's context (max_position_embeddings "
+               f"{ctx} of {cfg.target}; --seq-len {cfg.seq_len}): past {ctx} tokens their hidden states come from "
+               f"positions it was not trained on; a --seq-len of at most {ctx} cuts them there")
     print0(f"extract: {len(plan)} rows of {cfg.seq_len} tokens ({100 * pstats.padding_fraction:.2f}% padding), "
            f"{spec.num_shards} shards of {rows_per_shard} rows; layers {layer_ids} of {tc.num_hidden_layers}; "
            f"{len(mine) - len(todo)} of this rank's {len(mine)} shards already committed")

@@ -640,6 +640,28 @@ def test_chat_template_flag_supplies_a_missing_template(cli, work, targets, data
     assert cache.metadata["info"]["data"]["total"] == 6 and len(cache) > 0
 
 
+def test_conversations_longer_than_the_targets_context_are_named(cli, work, targets, data_path):
+    """Positions restart in each conversation, so only a conversation longer than max_position_embeddings runs the
+    target past its trained positions; extract says how many and how --seq-len cuts them (a note, not a refusal:
+    rope scaling may extend a context the config does not name)."""
+    short = work / "short-context"
+    shutil.copytree(targets["qwen3"], short)
+    conf = json.loads((short / "config.json").read_text())
+    conf["max_position_embeddings"] = 128
+    (short / "config.json").write_text(json.dumps(conf))
+    lengths = tokenize_dataset(load_chat_dataset(data_path, max_samples=12), ChatTokenizer(load_tokenizer(short)), 512,
+                               str(data_path), progress=False).lengths
+    beyond = sum(n > 128 for n in lengths)
+    assert 0 < beyond < len(lengths), lengths
+    r = cli("extract", "--target", short, "--data", data_path, "--out", work / "ctx-cache", "--seq-len", 512,
+            "--max-samples", 12, "--layers", "2", "--no-progress")
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert f"note: {beyond} conversations are longer than the target's context (max_position_embeddings 128" in r.output
+    r = cli("extract", "--target", short, "--data", data_path, "--out", work / "ctx-cache-128", "--seq-len", 128,
+            "--max-samples", 12, "--layers", "2", "--no-progress")
+    assert r.exit_code == 0 and "longer than the target's context" not in r.output, r.output
+
+
 # ------------------------------------------------------------------------------------------------ 7: a real GGUF target
 
 CHAT_PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
