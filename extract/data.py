@@ -50,6 +50,14 @@ def _drop_after_last_assistant(messages: Sequence[Mapping]) -> list:
     return list(messages[: last + 1])
 
 
+def template_text(chat_template: str | None) -> str | None:
+    """--chat-template: a template, or the path of a file holding one (read)."""
+    if chat_template is not None and "{" not in chat_template and os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    return chat_template
+
+
 class ChatTokenizer:
     """The target's tokenizer plus its chat template, producing (input_ids, loss_mask) for a conversation.
 
@@ -71,9 +79,7 @@ class ChatTokenizer:
 
     def __init__(self, tokenizer, chat_template_kwargs: dict | None = None, chat_template: str | None = None):
         name = _tokenizer_name(tokenizer)
-        if chat_template is not None and "{" not in chat_template and os.path.isfile(chat_template):
-            with open(chat_template, encoding="utf-8") as f:  # a template file (--chat-template FILE)
-                chat_template = f.read()
+        chat_template = template_text(chat_template)
         template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
         if isinstance(template, Mapping):  # named templates: the default one
             template = template.get("default")

@@ -16,8 +16,8 @@ counter-based stream (rng_key(seed, i): extract/sampling.py), so its text depend
 it is sampled in, and a rerun on the same hardware and software writes the same turns.
 
 OUT: prompts.jsonl (the kept turns in row order, each a conversation of one user turn: {"messages": [{"role":
-"user", "content": ...}]}, the plain form, so that the file mixes with other prompt files), dflash_prompts.json (the record: settings, the target's identity, counts; written first with "complete":
-false, last with true) and, while sampling, .parts/part-00003.jsonl (every sampled row of a part of --part-size:
+"user", "content": ...}]}, the plain form, so that the file mixes with other prompt files), dflash_prompts.json (the
+record: settings, the target's identity, counts; written first with "complete": false, last with true) and, while sampling, .parts/part-00003.jsonl (every sampled row of a part of --part-size:
 its text, whether it ended, its tokens; each written whole), removed once prompts.jsonl is written. A rerun of the
 same command samples only the parts not yet written; another setting or target is an error unless --overwrite.
 """
@@ -36,6 +36,7 @@ from dflash.core.chat import PROMPTS_META, DataError
 from dflash.core.config import ConfigError, check
 from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.core.paths import output_lock
+from dflash.extract.data import chat_template_fingerprint, template_text
 from dflash_cache.lock import LOCK_NAME
 
 FORMAT = "dflash.prompts"
@@ -77,10 +78,11 @@ def keep(texts: list[str], stopped: list[bool]) -> tuple[list[tuple[int, str]], 
 
 class Sampler:
     """The target loaded once, sampling rows [first, last) after its prefix (settings: max_new_tokens,
-    temperature, top_p, seed)."""
+    temperature, top_p, seed). `tokenizer` and `prefix`: the caller's, when it has them (else the target's own
+    tokenizer and its template's prefix)."""
 
     def __init__(self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 0,
-                 chat_template: str | None = None, chat_template_kwargs: dict | None = None):
+                 tokenizer=None, prefix: str | None = None):
         from dflash.core.chat import eos_ids_of
         from dflash.core.dist import parse_device, resolve_dtype
         from dflash.core.target import load_causal_lm, load_config, load_tokenizer
@@ -88,8 +90,8 @@ class Sampler:
 
         self.device = parse_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
-        self.tokenizer = load_tokenizer(target)
-        self.prefix = prefix_of(self.tokenizer, _template_text(chat_template), chat_template_kwargs)
+        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(target)
+        self.prefix = prefix if prefix is not None else prefix_of(self.tokenizer)
         self.ids = self.tokenizer(self.prefix, add_special_tokens=False)["input_ids"]
         self.model = load_causal_lm(target, device=self.device, dtype=self.dtype, attn_impl="sdpa")
         self.eos = eos_ids_of(self.model, self.tokenizer)
@@ -137,7 +139,7 @@ def _bar(total: int, progress: bool, done: int = 0):
         return None
     from dflash.core.progress import bar
 
-    return bar(total=total, initial=done, desc="prompts", unit="prompt", dynamic_ncols=True)
+    return bar(total=total, initial=done, desc="prompts", unit="prompt")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -177,27 +179,14 @@ class PromptsConfig:
               f"must be auto, bfloat16 or float32, got {self.dtype!r}")
 
     def settings(self, dtype) -> dict[str, Any]:
-        """What the sampled text depends on (a rerun into the same --out must match)."""
+        """What the sampled text depends on (a rerun into the same --out must match); a --chat-template by its
+        content (a file's path may be reused for another template)."""
+        template = template_text(self.chat_template)
         return {"num": self.num, "max_new_tokens": self.max_new_tokens, "temperature": float(self.temperature),
-                "top_p": float(self.top_p), "seed": self.seed, "chat_template": _template_id(self.chat_template),
+                "top_p": float(self.top_p), "seed": self.seed,
+                "chat_template": None if template is None else chat_template_fingerprint(template, None),
                 "chat_template_kwargs": dict(self.chat_template_kwargs or {}), "part_size": self.part_size,
                 "dtype": str(dtype).replace("torch.", "")}
-
-
-def _template_text(chat_template: str | None) -> str | None:
-    """--chat-template: a template, or a file holding one."""
-    if chat_template is not None and "{" not in chat_template and os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as f:
-            return f.read()
-    return chat_template
-
-
-def _template_id(chat_template: str | None) -> str | None:
-    """A --chat-template by its content (a file's path may be reused for another template)."""
-    import hashlib
-
-    text = _template_text(chat_template)
-    return None if text is None else hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def target_identity(target: str) -> dict[str, str]:
@@ -271,12 +260,12 @@ def run_prompts(cfg: PromptsConfig) -> dict[str, Any]:
 
 def _run(cfg: PromptsConfig) -> dict[str, Any]:
     from dflash.core.dist import parse_device, resolve_dtype
-
     from dflash.core.target import load_tokenizer
 
     t0 = time.perf_counter()
     dtype = resolve_dtype(cfg.dtype, parse_device(cfg.device))
-    prefix = prefix_of(load_tokenizer(cfg.target), _template_text(cfg.chat_template), cfg.chat_template_kwargs)
+    tokenizer = load_tokenizer(cfg.target)
+    prefix = prefix_of(tokenizer, template_text(cfg.chat_template), cfg.chat_template_kwargs)
     # (before anything is written: a template that cannot be used is one error line and leaves OUT as it was)
     want = {"format": FORMAT, "settings": cfg.settings(dtype), "target": target_identity(cfg.target)}
     old = None if cfg.overwrite else read_record(cfg.out)
@@ -308,8 +297,7 @@ def _run(cfg: PromptsConfig) -> dict[str, Any]:
         print(f"prompts: resuming: {len(done)} of {n_parts} parts already sampled in {cfg.out}", flush=True)
     sampled_s, todo_rows = 0.0, sum(rows_of[p][1] - rows_of[p][0] for p in todo)
     if todo:
-        sampler = Sampler(cfg.target, cfg.device, cfg.dtype, cfg.batch_size, cfg.chat_template,
-                          cfg.chat_template_kwargs)
+        sampler = Sampler(cfg.target, cfg.device, cfg.dtype, cfg.batch_size, tokenizer=tokenizer, prefix=prefix)
         print(f"prompts: sampling {todo_rows:,} user turns from {cfg.target} after {prefix!r} (temperature "
               f"{cfg.temperature:g}, top-p {cfg.top_p:g}, seed {cfg.seed}, at most {cfg.max_new_tokens} tokens each) "
               f"on {sampler.device}", flush=True)
