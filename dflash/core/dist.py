@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass
 
@@ -79,6 +80,9 @@ def compute_init(device: str | None = None) -> Dist:
     if world > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         torch.distributed.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+        # the group goes down before the interpreter does: left to C++ static destruction, gloo's threads can abort
+        # a rank whose work is done ("terminate called without an active exception", exit -6)
+        atexit.register(compute_cleanup)
     return Dist(rank, local_rank, world, dev)
 
 
