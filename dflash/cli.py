@@ -489,10 +489,10 @@ def demo(no_progress, **kw):
     Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
     hidden states, train a small drafter, and measure it by speculative decoding against n-gram
     prompt lookup on held-out prompts. The CPU recipe takes 6-9 minutes on an idle 2-core CPU (every
-    stage is CPU-bound: ~25 on a loaded one); the GPU recipe (configs/demo-gpu.yaml: chitchat and three
-    other sources answered by the target, MT-Bench kept out as the out-of-source set, a 4-layer block-16
-    drafter trained while the cache is extracted) about 20 on one H200 (16.5 min from nothing to the
-    trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
+    stage is CPU-bound: ~25 on a loaded one); the GPU recipe (configs/demo-gpu.yaml: user turns the target writes
+    itself, chitchat and three other sources, all answered by the target, MT-Bench kept out as the
+    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 on one
+    H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
     """
     check_output_dir(kw.get("workdir"), "workdir")
     if kw.get("device") not in (None, "auto"):  # before minutes of preparation, not at the first stage that uses it

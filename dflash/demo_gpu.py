@@ -659,11 +659,11 @@ def set_summary(g: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with the self source and
-# follow: 19 min 26 s with both evals; "train" is what training took after the extraction it ran beside).
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts
+# and follow: 18 min 45 s with both evals; "train" is what training took after the extraction it ran beside).
 # BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
-GPU_STAGE_SECONDS = {"prepare target": 24.0, "self prompts": 52.0, "data": 4.0, "regenerate": 232.0, "extract": 66.0,
-                     "validation data": 50.0, "train": 402.0, "eval bfloat16": 303.0, "eval float32": 34.0}
+GPU_STAGE_SECONDS = {"prepare target": 13.0, "self prompts": 61.0, "data": 4.0, "regenerate": 211.0, "extract": 54.0,
+                     "validation data": 29.0, "train": 465.0, "eval bfloat16": 249.0, "eval float32": 38.0}
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:

@@ -6,7 +6,7 @@ humanities questions are out of their reach). An instruction-tuned target, given
 user's words begin and sampled, writes a user turn of the kind it was tuned on: the "pre-query template" of Magpie
 (Xu et al. 2024). The recipe samples such turns once, after the target is prepared and before the data stage; the
 target then answers them (greedy, `regenerate`) like every other source's prompts. In the GPU recipe half the samples
-are such turns: MT-Bench tau 1.76 against 1.48 without them (BENCHMARKS.md, "GPU recipe").
+are such turns: MT-Bench tau 1.83 against 1.48 without them (BENCHMARKS.md, "GPU recipe").
 
     convs, record = self_prompts(workdir, target, recipe, device)   # [Conversation("self:00042", [user, ""]), ...]
 
