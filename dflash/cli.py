@@ -337,7 +337,9 @@ def pipeline(**kw):
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
-@option("--json", "json_out", help="Write the full report (per-prompt tau, histograms, speeds) here.")
+@option("--json", "json_out", help="Write the full report here: target, dflash and ngram each with tau, speedup, identical, per-prompt tau, "
+             "histograms and timings; sets and categories likewise (schema dflash.eval/1, every key described in "
+             "train/eval.py's docstring).")
 @option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
 @option("--draft-graph/--no-draft-graph", default=None,
         help="Run the drafter's step (the verified block into its context, then the next draft) as one CUDA "

@@ -145,6 +145,12 @@ def test_eval_report_schema_and_groups_on_a_tiny_target(tiny, monkeypatch):
         check_keys(rep[m], SPEC_KEYS, m)
         assert rep[m]["identical"] == rep[m]["outputs_identical"] == 8  # lossless in float32
     assert rep["target"]["speedup"] == 1.0 and rep["target"]["identical"] == 8 and rep["target"]["tau"] == 1.0
+    # the schema's description (train/eval.py's docstring, which `eval --help` points to) names every key it writes
+    from dflash.train import eval as ev
+    named = set(re.findall(r"[a-z_]+", ev.__doc__[ev.__doc__.index("The JSON report"):]))
+    g = rep["sets"]["in-source"]
+    keys = set(rep) | set(rep["dflash"]) | set(rep["target"]) | set(g) | set(g["dflash"])
+    assert keys - named == set(), f"keys of the report not described in train/eval.py: {sorted(keys - named)}"
     # groups: the sets in the data's order, their categories, and categories over all prompts
     assert list(rep["sets"]) == ["in-source", "out-of-source"]
     assert list(rep["sets"]["in-source"]["categories"]) == ["chat", "code"]
