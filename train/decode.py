@@ -24,7 +24,7 @@ import torch
 
 from dflash.core.target import decode_sdpa
 
-from .verify import Target, crop_cache
+from .verify import Target
 
 
 # --------------------------------------------------------------------------------------------
@@ -202,7 +202,7 @@ def speculative(target: Target, proposer, prompt: list[int], max_new: int, eos: 
         new = host[1:acc + 2]  # accepted drafts (equal to the target's own choices) + the bonus token
         if margins:
             margin_parts[-1] = margin_parts[-1][:acc + 1]
-        crop_cache(target.cache, pos + acc + 1)  # keep `last` and the accepted drafts
+        target.crop(pos + acc + 1)  # keep `last` and the accepted drafts
         if proposer.needs_hidden:
             proposer.observe(hidden, pos, acc + 1)
         last_dev = post[acc]

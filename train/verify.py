@@ -114,6 +114,10 @@ class Target:
 
         self.cache = DynamicCache()
 
+    def crop(self, length: int) -> None:
+        """Keep the first `length` positions of the KV cache."""
+        crop_cache(self.cache, length)
+
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits [1, L, V] (and captured hidden [1, L, K*H]) for ids [1, L] at positions start..start+L-1."""
@@ -130,3 +134,51 @@ class Target:
             if self.capture is not None:
                 self.capture.out = None
         return out.logits, out_h
+
+
+class StaticTarget:
+    """The target of Target's interface over dflash.core.static_decode's static KV cache: the prompt's prefill
+    eagerly, then every step (a 1-token step of the target alone, or the verify of a drafted block padded to the
+    block size) as one CUDA-graph replay per (length, bucket) on a GPU. Nothing is cropped: a rejected draft's keys
+    and values lie past the confirmed length, are never attended to, and the next step writes over them.
+
+    max_len bounds prompt + generated + one block; block_size: the verify length drafts are padded to (n-gram
+    lookup drafts fewer than B-1 tokens at times; a padded block costs a memory-bound target the same)."""
+
+    def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True):
+        from dflash.core.static_decode import StaticDecoder
+
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.block_size = int(block_size)
+        self.dec = StaticDecoder(model, slots=1, max_len=max_len + self.block_size, layer_ids=layer_ids,
+                                 graphs=graphs, max_q=max(1, self.block_size))
+        self.attention = "static-graph" if self.dec.graphs_on else "static"
+        self.capture = bool(layer_ids)
+        self._start = torch.zeros(1, dtype=torch.long, device=self.device)
+        self._row = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.cache = None
+
+    def reset(self):
+        pass
+
+    def crop(self, length: int) -> None:
+        pass  # positions past the confirmed length are never attended to
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, start: int, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits [1, L, V] (and captured hidden [1, L, K*H]) for ids [1, L] at positions start..start+L-1."""
+        L = ids.shape[1]
+        if start == 0:
+            logits, h = self.dec.prefill(ids, self._row, all_logits=True)
+        else:
+            q = 1 if L == 1 else self.block_size
+            if L > q:
+                raise ValueError(f"a verify of {L} tokens is longer than the block size {q}")
+            if L < q:
+                ids = torch.cat([ids, ids[:, -1:].expand(1, q - L)], 1)
+            self._start.fill_(start)
+            logits, h = self.dec.step(ids, self._start, start + q)
+            logits = logits[:, :L]
+            h = None if h is None else h[:, :L].clone()  # the next replay overwrites the static output
+        return logits, (h if hidden else None)

@@ -1,0 +1,237 @@
+"""The target's decode over a static KV cache, replayable as CUDA graphs: what `regenerate`, `prompts` and `eval` run
+on a GPU (the HF model's own forward stays the CPU path and the reference).
+
+A decode step of a small target is bound by kernel launches, not by the GPU: SmolLM2-135M's eager step took ~20 ms
+on an H200 at batch 1 for well under a millisecond of memory traffic. Here every shape of a step is fixed, so the
+step is captured once as a CUDA graph and replayed as one launch:
+
+  * the cache: per layer, keys and values of `slots` rows x `max_len` positions, [slots, Hkv, max_len, D]. Row r's
+    token at position p lives at column p of slot r (no padding inside a row: prompts are right-aligned to column 0);
+  * a step feeds q tokens to each of the first n slots at each slot's own start position (a [n] tensor): their keys
+    and values are written at columns start..start+q-1, and query j of a row sees the columns <= start + j of its
+    own slot. Columns past that are never read, so nothing needs cropping: a rejected draft is simply overwritten;
+  * the step attends over the first S columns only, S a multiple of `bucket`: one graph per (n, q, S), captured on
+    first use and replayed after. Grouped query heads are folded onto their KV head ([n, Hkv, G*q, D] against
+    [n, Hkv, S, D]), so the cache is read in place, never repeated per head;
+  * prefill (a new row's prompt, any length) runs the same layers eagerly, causal within the prompt, and writes the
+    prompt's keys and values into the row's slot.
+
+The layers are the HF model's own modules (norms, projections, MLP, embedding, LM head, rotary frequencies); only
+the attention and its cache are this module's. Supported: the Llama family of decoder layers (Llama, Qwen2,
+Qwen3 with its q/k norms, Mistral without a sliding window) with full attention and a static rotary embedding;
+`unsupported(model)` names what stops any other model, whose callers keep the HF forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .target import decoder_layers
+
+SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+
+
+def unsupported(model) -> str | None:
+    """None when StaticDecoder can run `model`, else why not (in words)."""
+    try:
+        layers = decoder_layers(model)
+    except Exception as e:  # noqa: BLE001 - any model without a layer list is simply not supported
+        return str(e)
+    kinds = {type(layer).__name__ for layer in layers}
+    if not kinds <= set(SUPPORTED_LAYERS):
+        return f"decoder layers of type {sorted(kinds - set(SUPPORTED_LAYERS))[0]}"
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
+        return "sliding-window layers"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
+            type(layers[0]).__name__ == "MistralDecoderLayer":
+        return "a sliding window"
+    base = getattr(model, "model", model)
+    rotary = getattr(base, "rotary_emb", None)
+    if rotary is None or not hasattr(rotary, "inv_freq"):
+        return "no rotary embedding module"
+    if str(getattr(rotary, "rope_type", "default")) in ("dynamic", "longrope"):
+        return f"a {rotary.rope_type} rotary embedding (its frequencies depend on the length)"
+    if getattr(model, "lm_head", None) is None or getattr(base, "embed_tokens", None) is None:
+        return "no embed_tokens / lm_head"
+    return None
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+class StaticDecoder:
+    """The target over a static KV cache (module docstring). Inputs and outputs of graphed steps live in static
+    buffers: the tensors step() returns are valid until the next step.
+
+    layer_ids: the layers whose outputs step()/prefill() also return, concatenated ([.., K*H]; layer id i = the
+    output of decoder layer i, the last layer after the final norm, as dflash.core.target.LayerCapture does)."""
+
+    def __init__(self, model, slots: int, max_len: int, layer_ids: list[int] | None = None, bucket: int = 256,
+                 graphs: bool = True, max_q: int = 16):
+        why = unsupported(model)
+        if why is not None:
+            raise ValueError(f"the static decoder cannot run this model: {why}")
+        self.model = model
+        self.base = getattr(model, "model", model)
+        self.layers = decoder_layers(model)
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        self.hidden_size = cfg.hidden_size
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.kv_heads = cfg.num_key_value_heads
+        self.heads = cfg.num_attention_heads
+        self.groups = self.heads // self.kv_heads
+        self.slots, self.bucket = int(slots), int(bucket)
+        self.max_len = -(-int(max_len) // self.bucket) * self.bucket
+        shape = (self.slots, self.kv_heads, self.max_len, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        L = len(self.layers)
+        self.layer_ids = list(layer_ids or [])
+        self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
+        rot = self.base.rotary_emb
+        pos = torch.arange(self.max_len, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * rot.inv_freq.to(device=self.device, dtype=torch.float32)[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.cos = (emb.cos() * scale).to(self.dtype)  # [max_len, D], as the HF rotary module computes them
+        self.sin = (emb.sin() * scale).to(self.dtype)
+        self.cols = torch.arange(self.max_len, device=self.device)
+        self.graphs_on = graphs and self.device.type == "cuda"
+        self._graphs: dict[tuple[int, int, int], tuple] = {}
+        self._pool = None
+        self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
+        self._start = torch.zeros(self.slots, dtype=torch.long, device=self.device)
+        self.captures = 0
+
+    # -- the layers ------------------------------------------------------------------------------------------------
+    def _attention(self, i: int, layer, x: torch.Tensor, cos, sin, rows, start, span: int | None):
+        """Self-attention of layer i for x [n, q, H] at positions start[r]+j. span=None: a prefill (rows' columns
+        0..q-1, causal within x); else a step over the first `span` columns of the cache."""
+        a = layer.self_attn
+        n, q, _ = x.shape
+        D = self.head_dim
+        qs = a.q_proj(x).view(n, q, self.heads, D)
+        ks = a.k_proj(x).view(n, q, self.kv_heads, D)
+        if hasattr(a, "q_norm"):
+            qs, ks = a.q_norm(qs), a.k_norm(ks)
+        qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [n, heads, q, D]
+        vs = a.v_proj(x).view(n, q, self.kv_heads, D).transpose(1, 2)
+        cos, sin = cos[:, None], sin[:, None]  # [n, 1, q, D]
+        qs = qs * cos + _rotate_half(qs) * sin
+        ks = ks * cos + _rotate_half(ks) * sin
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        if span is None:
+            self.k[i][rows, :, :q] = ks
+            self.v[i][rows, :, :q] = vs
+            out = sdpa(qs, ks, vs, is_causal=True, scale=a.scaling, enable_gqa=self.groups > 1)
+        else:
+            cols = start[:, None] + torch.arange(q, device=x.device)[None]  # [n, q]
+            r = torch.arange(n, device=x.device)[:, None].expand(n, q)
+            self.k[i][r, :, cols] = ks.transpose(1, 2)  # advanced indices first: [n, q, Hkv, D]
+            self.v[i][r, :, cols] = vs.transpose(1, 2)
+            kc, vc = self.k[i][:n, :, :span], self.v[i][:n, :, :span]
+            g = qs.reshape(n, self.kv_heads, self.groups * q, D)  # query row g*q + j: head kv*G + g, token j
+            seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
+            mask = seen[:, None, :, :].expand(n, self.groups, q, span).reshape(n, 1, self.groups * q, span)
+            out = sdpa(g, kc, vc, attn_mask=mask, scale=a.scaling).reshape(n, self.heads, q, D)
+        return a.o_proj(out.transpose(1, 2).reshape(n, q, self.heads * D))
+
+    def _forward(self, ids, rows, start, span, keep):
+        """(logits, hidden) for ids [n, q]; keep: the position per row whose logits to return ([n] tensor), or
+        None for all positions."""
+        n, q = ids.shape
+        pos = start[:, None] + torch.arange(q, device=ids.device)[None]
+        cos, sin = self.cos[pos], self.sin[pos]
+        x = self.base.embed_tokens(ids)
+        H = self.hidden_size
+        hidden = torch.empty(n, q, len(self.layer_ids) * H, dtype=self.dtype, device=ids.device) \
+            if self.layer_ids else None
+        for i, layer in enumerate(self.layers):
+            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, rows, start, span)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if hidden is not None and i in self.layer_ids:
+                k = self.layer_ids.index(i)
+                hidden[..., k * H:(k + 1) * H] = self.base.norm(x) if i == self._final_norm_for else x
+        x = self.base.norm(x)
+        if keep is not None:
+            x = x[torch.arange(n, device=ids.device), keep][:, None]
+        return self.model.lm_head(x), hidden
+
+    # -- the entry points ------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(self, ids: torch.Tensor, rows: torch.Tensor, lengths: torch.Tensor | None = None,
+                all_logits: bool = False):
+        """Prompts ids [k, w] (right-padded; lengths [k], None: all w) into slots `rows` [k] at columns 0..w-1
+        (eager). Returns (logits, hidden): logits [k, 1, V] at each prompt's last token (all_logits: [k, w, V]);
+        hidden [k, w, K*H] or None. Padding past a prompt's length is written but never attended to (a later
+        step writes its own tokens over it)."""
+        k, w = ids.shape
+        if w > self.max_len:
+            raise ValueError(f"a prompt of {w} tokens does not fit the decoder's {self.max_len} positions")
+        start = torch.zeros(k, dtype=torch.long, device=ids.device)
+        keep = None if all_logits else (lengths.to(ids.device) - 1 if lengths is not None
+                                         else torch.full((k,), w - 1, dtype=torch.long, device=ids.device))
+        return self._forward(ids, rows.to(ids.device), start, None, keep)
+
+    def span_for(self, end: int) -> int:
+        """The columns a step whose last token sits at position end-1 attends over: end rounded up to a bucket."""
+        return min(self.max_len, -(-end // self.bucket) * self.bucket)
+
+    @torch.inference_mode()
+    def step(self, ids: torch.Tensor, start: torch.Tensor, end: int, all_logits: bool = True):
+        """Tokens ids [n, q] for slots 0..n-1 at positions start[r].. (start: [n] long tensor on the device);
+        `end` bounds every row's start + q (it picks the bucket). Returns (logits [n, q, V] or, with
+        all_logits=False, [n, 1, V] of each row's last token, hidden [n, q, K*H] or None): static buffers on a GPU,
+        valid until the next step."""
+        n, q = ids.shape
+        if end > self.max_len:
+            raise ValueError(f"a step up to position {end} does not fit the decoder's {self.max_len} positions")
+        span = self.span_for(end)
+        if not self.graphs_on:
+            return self._forward(ids, None, start, span, None if all_logits else start.new_full((n,), q - 1))
+        if q > self._ids.shape[1]:
+            raise ValueError(f"a step of {q} tokens per row is more than the decoder's max_q ({self._ids.shape[1]})")
+        self._ids[:n, :q].copy_(ids)
+        self._start[:n].copy_(start)
+        g = self._graphs.get((n, q, span, all_logits))
+        if g is None:
+            g = self._capture(n, q, span, all_logits)
+        g[0].replay()
+        return g[1], g[2]
+
+    def _capture(self, n: int, q: int, span: int, all_logits: bool):
+        """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers: the
+        warm-up run writes the keys and values this very step writes (the same values at the same places), so no
+        slot's cache needs saving around it."""
+        ids, start = self._ids[:n, :q], self._start[:n]
+        keep = None if all_logits else torch.full((n,), q - 1, dtype=torch.long, device=self.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            self._forward(ids, None, start, span, keep)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits, hidden = self._forward(ids, None, start, span, keep)
+        self.captures += 1
+        entry = (graph, logits, hidden)
+        self._graphs[(n, q, span, all_logits)] = entry
+        return entry
+
+    @torch.inference_mode()
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy the cache of slots src [m] into slots dst [m] (every column)."""
+        for k, v in zip(self.k, self.v):
+            k[dst] = k[src]
+            v[dst] = v[src]
+
+    def kv_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)

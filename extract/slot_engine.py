@@ -1,0 +1,292 @@
+"""The generation engine of `regenerate` and `prompts` on a GPU: extract/generate.py's Engine (the same add/step
+interface, Requests, Results, Continuations and counter-based sampling) over a static KV cache whose decode step is
+one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the CPU path and the reference.
+
+  * the batch is `slots` fixed rows of `max_len` positions each. A prompt is prefilled (eagerly, in chunks of at
+    most prefill_tokens padded tokens) into a free slot, right-padded from column 0; a finished row frees its slot
+    at once, so there is no compaction of a running batch and no copy of a cache per refill;
+  * a decode step feeds every row of the first n slots its newest token at its own position; n is the highest
+    busy slot + 1 rounded up to a power of two (>= 8), and the step attends over the busy rows' longest length
+    rounded up to the decoder's bucket: one graph per (n, bucket), captured on first use. When the queue is empty
+    and the busy rows fit half of n, the highest busy rows move down into free slots (one copy of those rows)
+    so the tail of a run decodes a smaller batch;
+  * a request longer than a slot (prompt + max_new_tokens > max_len) is decoded by an eager Engine beside it
+    (`overflow`), and a continuation that would outgrow its slot is refused (the caller submits the next turn
+    as a new prompt), as Engine does with its token budget: no request is ever dropped;
+  * sampling is Engine's: one uniform per (row's rng key, step), so the text of a row depends on neither the
+    engine, nor the batch, nor the slot it ran in.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from dflash.core.static_decode import StaticDecoder, unsupported
+from dflash.core.target import decode_sdpa, text_config
+
+from .generate import Continuation, Engine, Request, Result, _Row
+from .sampling import sample, uniforms
+
+MIN_BATCH = 8
+
+
+@dataclass
+class SlotPlan:
+    slots: int
+    max_len: int
+    overflow_tokens: int  # KV budget (tokens) of the eager engine beside it
+
+
+def plan_slots(cfg_hf, dtype, batch_size: int, max_batch_tokens: int, bucket: int = 256) -> SlotPlan | None:
+    """Slots and positions per slot that fit a KV budget of max_batch_tokens (the eager engine's budget, which
+    plans for a 2.5x peak; a static cache has none): 90% to the slots, 10% to the overflow engine. None when a
+    slot would hold fewer than two buckets."""
+    budget = max_batch_tokens * 5 // 2
+    c = text_config(cfg_hf)
+    ctx = int(getattr(c, "max_position_embeddings", 0) or 1 << 20)
+    slots = int(batch_size)
+    max_len = min(ctx, int(budget * 0.9) // slots) // bucket * bucket
+    while max_len < 2 * bucket and slots > MIN_BATCH:
+        slots //= 2
+        max_len = min(ctx, int(budget * 0.9) // slots) // bucket * bucket
+    if max_len < 2 * bucket:
+        return None
+    return SlotPlan(slots, max_len, max(4096, budget // 10 * 2 // 5))
+
+
+def slot_engine_unsupported(model) -> str | None:
+    """None when SlotEngine can decode `model` with CUDA graphs, else why not."""
+    if next(model.parameters()).device.type != "cuda":
+        return "not on a CUDA device"
+    return unsupported(model)
+
+
+class SlotEngine:
+    """Engine's interface over a static KV cache of `slots` rows (module docstring)."""
+
+    def __init__(self, model, *, eos_ids: Iterable[int], slots: int, max_len: int, prefill_tokens: int,
+                 temperature: float = 0.0, top_p: float = 1.0, pad_id: int = 0, refill: int | None = None,
+                 follow: Callable[[Result], Continuation | None] | None = None, overflow_tokens: int = 1 << 16,
+                 graphs: bool = True, bucket: int = 256):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dec = StaticDecoder(model, slots=slots, max_len=max_len, graphs=graphs, max_q=1, bucket=bucket)
+        self.eos = frozenset(int(i) for i in eos_ids)
+        self.batch_size = int(slots)
+        self.max_len = self.dec.max_len
+        self.max_batch_tokens = self.batch_size * self.max_len
+        self.prefill_tokens = int(prefill_tokens)
+        self.temperature, self.top_p, self.pad_id = float(temperature), float(top_p), int(pad_id)
+        self.refill = max(1, int(refill if refill is not None else self.batch_size // 4))
+        self.follow = follow
+        self.pending: list[tuple[tuple, int, Request]] = []
+        self._seq = 0
+        self.slot_rows: list[_Row | None] = [None] * self.batch_size
+        self.pos = [0] * self.batch_size  # per slot: position of its newest token (= tokens in its cache)
+        self.last = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self._start = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        self.overflow = Engine(model, eos_ids=self.eos, batch_size=MIN_BATCH, max_batch_tokens=overflow_tokens,
+                               prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
+                               follow=follow)
+        self.steps = self.prefills = self.generated = self.prompt_tokens = 0
+        self.prefill_columns = self.copied_columns = self.decode_columns = 0
+        self._decode_real = 0
+        self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}
+        self.dead = 0
+        self.compactions = 0
+        self.continued = self.forced_tokens = self.refused = 0
+        self.overflowed = 0  # requests decoded by the eager engine (longer than a slot)
+
+    # -- Engine's interface -----------------------------------------------------------------------------------------
+    @property
+    def rows(self) -> list[_Row]:
+        return [r for r in self.slot_rows if r is not None] + self.overflow.rows
+
+    @property
+    def decode_real_columns(self) -> int:
+        return int(self._decode_real) + self.overflow.decode_real_columns
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending or any(r is not None for r in self.slot_rows) or self.overflow.busy)
+
+    @property
+    def graphs(self) -> int:
+        return len(self.dec._graphs)
+
+    def add(self, req: Request) -> None:
+        if len(req.prompt) < 1:
+            raise ValueError("empty prompt")
+        if req.max_new_tokens < 1:
+            raise ValueError("max_new_tokens must be >= 1")
+        if len(req.prompt) + req.max_new_tokens > self.max_len:
+            self.overflowed += 1
+            self.overflow.add(req)
+            return
+        heapq.heappush(self.pending, (req.priority, self._seq, req))
+        self._seq += 1
+
+    def step(self) -> list[Result]:
+        done: list[Result] = []
+        free = [i for i, r in enumerate(self.slot_rows) if r is None]
+        busy = self.batch_size - len(free)
+        if self.pending and free and (busy == 0 or len(free) >= self.refill):
+            t = time.perf_counter()
+            done += self._admit(free)
+            self.seconds["prefill"] += time.perf_counter() - t
+        if any(r is not None for r in self.slot_rows):
+            t = time.perf_counter()
+            done += self._decode()
+            self.seconds["decode"] += time.perf_counter() - t
+        if self.overflow.busy:
+            done += self.overflow.step()
+        return done
+
+    # -- internals ----------------------------------------------------------------------------------------------
+    def _sample(self, logits: torch.Tensor, rows: list[_Row | None]) -> torch.Tensor:
+        u = None
+        if self.temperature > 0:
+            u = torch.from_numpy(uniforms([r.req.rng_key if r else 0 for r in rows],
+                                          [len(r.out) if r else 0 for r in rows]))
+        return sample(logits, self.temperature, self.top_p, u)
+
+    @torch.inference_mode()
+    def _admit(self, free: list[int]) -> list[Result]:
+        """Prefill waiting prompts into the free slots, in chunks of at most prefill_tokens padded tokens."""
+        done: list[Result] = []
+        while self.pending and free:
+            chosen: list[Request] = []
+            width = 0
+            while self.pending and len(chosen) < len(free):
+                req = self.pending[0][2]
+                w = max(width, len(req.prompt))
+                if chosen and (len(chosen) + 1) * w > self.prefill_tokens:
+                    break
+                heapq.heappop(self.pending)
+                chosen.append(req)
+                width = w
+            slots, free = free[:len(chosen)], free[len(chosen):]
+            ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.long)
+            for i, r in enumerate(chosen):
+                ids[i, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
+            lengths = torch.tensor([len(r.prompt) for r in chosen], device=self.device)
+            slot_idx = torch.tensor(slots, device=self.device)
+            with decode_sdpa():
+                logits, _ = self.dec.prefill(ids.to(self.device), slot_idx, lengths)
+            rows = [_Row(r) for r in chosen]
+            first = self._sample(logits[:, 0].float(), rows)
+            self.last[slot_idx] = first
+            for s, row in zip(slots, rows):
+                self.slot_rows[s] = row
+                self.pos[s] = len(row.req.prompt)
+            self.prefills += 1
+            self.prompt_tokens += int(lengths.sum())
+            self.prefill_columns += len(chosen) * width
+            done += self._emit(dict(zip(slots, first.tolist())), fed=set())
+        return done
+
+    def _width(self) -> int:
+        top = max(i for i, r in enumerate(self.slot_rows) if r is not None) + 1
+        n = MIN_BATCH
+        while n < top:
+            n *= 2
+        return min(n, self.batch_size)
+
+    @torch.inference_mode()
+    def _decode(self) -> list[Result]:
+        if not self.pending:
+            self._compact()
+        n = self._width()
+        live = [i for i in range(n) if self.slot_rows[i] is not None]
+        end = max(self.pos[i] for i in live) + 1
+        self._start[:n].copy_(torch.tensor(self.pos[:n]), non_blocking=True)
+        with decode_sdpa():
+            logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end)
+        span = self.dec.span_for(end)
+        self.decode_columns += n * span
+        self._decode_real += sum(self.pos[i] + 1 for i in live)
+        self.last[:n] = self._sample(logits[:, 0].float(), self.slot_rows[:n])
+        self.steps += 1
+        for i in live:
+            self.pos[i] += 1
+        fed = {i for i in live if self.slot_rows[i].forced and not self.slot_rows[i].done}
+        if fed:
+            idx = sorted(fed)
+            self.last[idx] = torch.tensor([self.slot_rows[i].forced.popleft() for i in idx], device=self.device)
+        tokens = self.last[:n].tolist()
+        return self._emit({i: tokens[i] for i in live}, fed)
+
+    def _emit(self, tokens: dict[int, int], fed: set[int]) -> list[Result]:
+        """Append each busy slot's token (but those fed a continuation id) and return the finished rows' Results;
+        a finished row's slot is freed at once unless follow() continues it there."""
+        done = []
+        inputs: dict[int, int] = {}
+        for s, t in tokens.items():
+            row = self.slot_rows[s]
+            if row is None or s in fed:
+                continue
+            row.out.append(t)
+            self.generated += 1
+            stop = t in self.eos
+            if stop or len(row.out) >= row.req.max_new_tokens:
+                toks = row.out[:-1] if stop else row.out
+                res = Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out))
+                done.append(res)
+                cont = self.follow(res) if self.follow is not None else None
+                if cont is not None and self._goes_on(s, row, res, cont, stop, inputs):
+                    continue
+                self.slot_rows[s] = None
+                self.pos[s] = 0
+        if inputs:
+            idx = list(inputs)
+            self.last[idx] = torch.tensor([inputs[i] for i in idx], device=self.device)
+        return done
+
+    def _goes_on(self, s: int, row: _Row, res: Result, cont: Continuation, stop: bool, inputs: dict) -> bool:
+        forced = list(map(int, cont.forced))
+        if not forced or cont.max_new_tokens < 1:
+            return False
+        if self.pos[s] + len(forced) + cont.max_new_tokens + 1 > self.max_len:
+            self.refused += 1
+            return False
+        feed = forced
+        if stop:  # the stop id (not in the cache yet) is replaced by the continuation's first id
+            inputs[s] = feed[0]
+            feed = feed[1:]
+        row.req = Request(row.req.prompt + res.tokens + forced, int(cont.max_new_tokens), key=row.req.key,
+                          rng_key=int(cont.rng_key), priority=row.req.priority)
+        row.out = []
+        row.forced = deque(feed)
+        res.continued = True
+        self.continued += 1
+        self.forced_tokens += len(forced)
+        return True
+
+    def _compact(self) -> None:
+        """With no prompt waiting: move the highest busy rows into the lowest free slots while the busy rows fit
+        half of the current step's batch, so the tail of a run decodes fewer rows."""
+        n = self._width()
+        busy = [i for i in range(self.batch_size) if self.slot_rows[i] is not None]
+        if n <= MIN_BATCH or len(busy) > n // 2:
+            return
+        target = n // 2
+        while target // 2 >= max(MIN_BATCH, len(busy)):
+            target //= 2
+        src = [i for i in busy if i >= target]
+        dst = [i for i in range(target) if self.slot_rows[i] is None][:len(src)]
+        t = time.perf_counter()
+        si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        self.dec.move(si, di)
+        self.last[di] = self.last[si]
+        for a, b in zip(src, dst):
+            self.slot_rows[b], self.slot_rows[a] = self.slot_rows[a], None
+            self.pos[b], self.pos[a] = self.pos[a], 0
+        self.compactions += 1
+        self.copied_columns += len(src) * self.max_len
+        self.seconds["batch_edit"] += time.perf_counter() - t

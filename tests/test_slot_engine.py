@@ -1,0 +1,122 @@
+"""The static-cache generation engine (extract/slot_engine.py: regenerate's and prompts' engine on a GPU) against
+single-sequence greedy decoding and against the eager Engine, in float32 on CPU (the same code a GPU replays as
+CUDA graphs; tests/test_gpu.py replays them). Covered:
+
+    greedy: rows of every length leaving at different steps (end id or their own max-new-tokens), slots refilled
+        many times, the tail moved into lower slots, and requests longer than a slot decoded beside it by the eager
+        engine: every output equals one sequence decoded alone;
+    turns that go on in their slot (follow) equal a fresh prefill of the whole context, and a continuation that
+        would outgrow its slot is refused (the caller submits it again as a new prompt);
+    sampling: the same text as the eager engine's, whatever the slots, part of the rows or batch.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from dflash.core.target import load_causal_lm
+from dflash.extract.generate import Continuation, Request, generate
+from dflash.extract.slot_engine import SlotEngine, plan_slots
+from tests.test_regenerate import _prompts, _reference
+from tests.tiny import make_tiny_target
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return load_causal_lm(make_tiny_target(tmp_path_factory.mktemp("slots") / "target"))
+
+
+def test_greedy_in_slots_equals_single_sequence(model):
+    rng = random.Random(1)
+    prompts = _prompts(model, 23)
+    max_new = [rng.randint(1, 30) for _ in prompts]
+    free_run = [_reference(model, p, n, set())[0] for p, n in zip(prompts, max_new)]
+    eos = {t for t, _ in Counter(t for out in free_run for t in out[2:]).most_common(3)}
+    refs = [_reference(model, p, n, eos) for p, n in zip(prompts, max_new)]
+    assert sum(stop for _, stop in refs) >= 3
+    # 16 slots of 48 positions (bucket 16): the longest requests (prompt + max new > 48) go to the eager engine
+    eng = SlotEngine(model, eos_ids=eos, slots=16, max_len=48, prefill_tokens=64, refill=1, bucket=16)
+    for i, (p, n) in enumerate(zip(prompts, max_new)):
+        eng.add(Request(p, n, key=i, priority=(-len(p), i)))
+    results, widths = {}, []
+    while eng.busy:
+        for r in eng.step():
+            results[r.key] = r
+        if any(eng.slot_rows):
+            widths.append(eng._width())
+    assert eng.overflowed == sum(len(p) + n > 48 for p, n in zip(prompts, max_new)) >= 1
+    assert eng.prefills > 2 and eng.compactions >= 1 and min(widths) < max(widths)
+    for i, (ref, stop) in enumerate(refs):
+        r = results[i]
+        assert r.stopped == stop
+        assert r.tokens + ([ref[-1]] if stop else []) == ref, f"prompt {i} (length {len(prompts[i])})"
+        assert r.generated == len(ref)
+
+
+def test_turns_that_go_on_in_their_slot_equal_a_fresh_prefill(model):
+    rng = random.Random(7)
+    prompts = _prompts(model, 14, seed=7, hi=30)
+    free_run = [_reference(model, p, 10, set())[0] for p in prompts]
+    eos = {t for t, _ in Counter(t for out in free_run for t in out[2:]).most_common(2)}
+    V = model.config.vocab_size
+    turns = {i: [rng.randint(2, 9) for _ in range(rng.randint(1, 3))] for i in range(len(prompts))}
+    feeds = {(i, k): [rng.randrange(3, V) for _ in range(rng.randint(1, 6))] for i in turns for k in range(3)}
+    ctx = {i: list(p) for i, p in enumerate(prompts)}
+    turn = dict.fromkeys(ctx, 0)
+    got = {}
+
+    def follow(res):
+        i = res.key
+        if turn[i] + 1 >= len(turns[i]):
+            return None
+        return Continuation(feeds[(i, turn[i])], turns[i][turn[i] + 1])
+
+    eng = SlotEngine(model, eos_ids=eos, slots=4, max_len=24, prefill_tokens=64, refill=1, follow=follow, bucket=8)
+    for i, p in ctx.items():
+        eng.add(Request(p, turns[i][0], key=i, priority=(-len(p), i)))
+    while eng.busy:
+        for r in eng.step():
+            i = r.key
+            want, stop = _reference(model, ctx[i], turns[i][turn[i]], eos)
+            assert r.tokens + ([want[-1]] if stop else []) == want and r.stopped == stop, (i, turn[i])
+            got[(i, turn[i])] = r.tokens
+            if turn[i] + 1 < len(turns[i]):
+                ctx[i] = ctx[i] + r.tokens + feeds[(i, turn[i])]
+                turn[i] += 1
+                if not r.continued:
+                    eng.add(Request(ctx[i], turns[i][turn[i]], key=i, priority=(0, i)))
+    assert len(got) == sum(len(t) for t in turns.values())
+    assert eng.continued >= 3 and eng.refused >= 1  # 24 positions: the longest contexts cannot go on in place
+
+
+def test_sampled_text_equals_the_eager_engines(model):
+    prompts = _prompts(model, 9, seed=2, hi=25)
+    kw = dict(eos_ids=set(), max_new_tokens=12, temperature=1.0, top_p=0.9, seed=3)
+    eager = [r.tokens for r in generate(model, prompts, batch_size=4, engine="eager", **kw)]
+    assert [r.tokens for r in generate(model, prompts, batch_size=4, engine="static", **kw)] == eager
+    assert [r.tokens for r in generate(model, prompts, batch_size=2, refill=1, engine="static", **kw)] == eager
+    part = generate(model, prompts[3:], batch_size=3, engine="static", first_row=3, **kw)
+    assert [r.tokens for r in part] == eager[3:]
+    greedy = generate(model, prompts, eos_ids=set(), max_new_tokens=12, batch_size=4, engine="eager")
+    assert [r.tokens for r in generate(model, prompts, eos_ids=set(), max_new_tokens=12, batch_size=4,
+                                       engine="static")] == [r.tokens for r in greedy]
+
+
+def test_the_slot_plan_fits_the_budget():
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=2048)
+    plan = plan_slots(cfg, None, batch_size=1024, max_batch_tokens=400_000)
+    assert plan.slots == 1024 and plan.max_len == 768  # 400k * 2.5 * 0.9 / 1024 = 878 -> a multiple of 256
+    assert plan.slots * plan.max_len <= 400_000 * 2.5 * 0.9
+    small = plan_slots(cfg, None, batch_size=1024, max_batch_tokens=100_000)
+    assert (small.slots, small.max_len) == (256, 768)  # halved until a slot holds two buckets
+    assert (plan_slots(cfg, None, batch_size=1024, max_batch_tokens=4_000).slots,
+            plan_slots(cfg, None, batch_size=1024, max_batch_tokens=4_000).max_len) == (16, 512)
+    assert plan_slots(cfg, None, batch_size=1024, max_batch_tokens=1_000) is None  # 8 slots of < 512: eager
+    capped = plan_slots(cfg, None, batch_size=8, max_batch_tokens=10_000_000)
+    assert capped.max_len == 2048  # never past the model's context

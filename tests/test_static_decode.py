@@ -1,0 +1,123 @@
+"""The static-cache decoder (dflash/core/static_decode.py) against the HF model it runs, in float32 on CPU.
+
+On a GPU every step of it is a CUDA-graph replay; the graph replays exactly the kernels of the eager call made
+here, so the numbers are checked on CPU (tests/test_gpu.py replays the graphs). Covered:
+
+    prefill and steps of 1 and of several tokens per row, rows at different positions in one step, give the HF
+        model's own logits and hidden states (Qwen3 with q/k norms, Llama with tied embeddings; grouped KV heads);
+    a step's stale columns (a rejected draft's keys, written past the confirmed length) are never attended to;
+    speculative decoding through StaticTarget (the eval's target on a GPU) gives the independent HF loop's tokens
+        for the target alone, the DFlash drafter, n-gram lookup (drafts shorter than a block, padded) and a
+        partial-acceptance oracle;
+    models it cannot run are named (a sliding window), and the callers keep the HF forward.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dflash.core.static_decode import StaticDecoder, unsupported
+from dflash.core.target import load_causal_lm, load_tokenizer
+from dflash.train.decode import NgramProposer, greedy, speculative
+from dflash.train.drafting import DFlashProposer
+from dflash.train.verify import StaticTarget
+from tests.test_decoding import BLOCK, LAYERS, Oracle, drafter_for, prompts
+from tests.tiny import make_tiny_target
+from tests.workload import hf_greedy
+
+
+@pytest.fixture(scope="module", params=["qwen3", "llama"])
+def tiny(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"static-{request.param}")
+    path = make_tiny_target(root / "target", arch=request.param)
+    model = load_causal_lm(path).eval()
+    return {"path": path, "model": model, "tok": load_tokenizer(path), "root": root}
+
+
+def hf_outputs(model, ids: list[int], layers: list[int]):
+    """logits [L, V] and the captured layers [L, K*H] of one sequence, from the HF model (no cache)."""
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
+    hs = out.hidden_states  # embeddings, then each layer's output (the last one after the final norm)
+    return out.logits[0], torch.cat([hs[i + 1][0] for i in layers], -1)
+
+
+def test_prefill_and_steps_equal_the_hf_forward(tiny):
+    m = tiny["model"]
+    V = m.config.vocab_size
+    rng = random.Random(0)
+    seqs = [[rng.randrange(3, V) for _ in range(n)] for n in (10, 14, 30)]
+    L = m.config.num_hidden_layers
+    layers = [1, 3, L - 1]  # the last layer is captured after the final norm
+    dec = StaticDecoder(m, slots=3, max_len=64, layer_ids=layers, bucket=16)
+    prompt_lens = [3, 7, 20]
+    w = max(prompt_lens)
+    ids = torch.zeros(3, w, dtype=torch.long)
+    for r, (s, n) in enumerate(zip(seqs, prompt_lens)):
+        ids[r, :n] = torch.tensor(s[:n])
+    logits, hidden = dec.prefill(ids, torch.arange(3), torch.tensor(prompt_lens))
+    for r, (s, n) in enumerate(zip(seqs, prompt_lens)):
+        ref_logits, ref_hidden = hf_outputs(m, s[:n], layers)
+        torch.testing.assert_close(logits[r, 0], ref_logits[n - 1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden[r, :n], ref_hidden, atol=1e-4, rtol=1e-4)
+    # one-token steps, each row at its own position, then a 3-token step
+    pos = list(prompt_lens)
+    for _ in range(2):
+        step_ids = torch.tensor([[s[p]] for s, p in zip(seqs, pos)])
+        logits, hidden = dec.step(step_ids, torch.tensor(pos), max(pos) + 1)
+        for r, (s, p) in enumerate(zip(seqs, pos)):
+            ref_logits, ref_hidden = hf_outputs(m, s[:p + 1], layers)
+            torch.testing.assert_close(logits[r, 0], ref_logits[p], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(hidden[r, 0], ref_hidden[p], atol=1e-4, rtol=1e-4)
+        pos = [p + 1 for p in pos]
+    step_ids = torch.tensor([s[p:p + 3] for s, p in zip(seqs, pos)])
+    logits, hidden = dec.step(step_ids, torch.tensor(pos), max(pos) + 3)
+    for r, (s, p) in enumerate(zip(seqs, pos)):
+        ref_logits, ref_hidden = hf_outputs(m, s[:p + 3], layers)
+        torch.testing.assert_close(logits[r], ref_logits[p:p + 3], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hidden[r], ref_hidden[p:p + 3], atol=1e-4, rtol=1e-4)
+
+
+def test_stale_columns_past_the_confirmed_length_are_never_read(tiny):
+    """A verify writes a whole block; after a rejection, the next step starts inside it and must see only the
+    confirmed tokens, whatever the rejected ones were."""
+    m = tiny["model"]
+    V = m.config.vocab_size
+    s = [random.Random(1).randrange(3, V) for _ in range(12)]
+    dec = StaticDecoder(m, slots=1, max_len=32, bucket=8)
+    dec.prefill(torch.tensor([s[:6]]), torch.tensor([0]))
+    dec.step(torch.tensor([[s[6], 1, 2, 3]]), torch.tensor([6]), 10)  # a block of which only s[6] is kept
+    logits, _ = dec.step(torch.tensor([[s[7]]]), torch.tensor([7]), 8)
+    ref, _ = hf_outputs(m, s[:8], [0])
+    torch.testing.assert_close(logits[0, 0], ref[7], atol=1e-4, rtol=1e-4)
+
+
+def test_speculative_decoding_through_the_static_target_equals_the_hf_loop(tiny):
+    m = tiny["model"]
+    d = drafter_for(tiny)
+    V = m.config.vocab_size
+    for p in prompts(tiny):
+        t = StaticTarget(m, LAYERS, max_len=len(p) + 40, block_size=BLOCK)
+        ref = hf_greedy(m, p, 20)
+        assert greedy(t, p, 20, set()).tokens == ref
+        for prop in (DFlashProposer(d, 128), DFlashProposer(d, 128, graph=True), NgramProposer(BLOCK, 3)):
+            assert speculative(t, prop, p, 20, set()).tokens == ref, prop.name
+        eos = {ref[7]}
+        assert speculative(t, DFlashProposer(d, 128), p, 20, eos).tokens == ref[:ref.index(ref[7]) + 1]
+        long_ref = hf_greedy(m, p, 20 + BLOCK)
+        dec = speculative(t, Oracle(p, long_ref, [0, 2, 1, 3], V), p, 20, set())
+        assert dec.tokens == ref
+
+
+def test_unsupported_models_are_named(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    model = MistralForCausalLM(cfg)
+    assert unsupported(model) == "a sliding window"
+    with pytest.raises(ValueError, match="cannot run this model: a sliding window"):
+        StaticDecoder(model, slots=1, max_len=16)
