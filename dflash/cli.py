@@ -341,6 +341,10 @@ def pipeline(**kw):
              "histograms and timings; sets and categories likewise (schema dflash.eval/1, every key described in "
              "train/eval.py's docstring).")
 @option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
+@option("--target-graph/--no-target-graph", default=None,
+        help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
+             "it); off: the eager HF forward. Its outputs are checked against the target's own either way.",
+        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets")
 @option("--draft-graph/--no-draft-graph", default=None,
         help="Run the drafter's step (the verified block into its context, then the next draft) as one CUDA "
              "graph, checked against the eager step once (near ties aside).",
@@ -388,6 +392,10 @@ def eval_cmd(preset, no_progress, **flags):
         help="Let a conversation's next turn go on in its row of the batch (the ids between the turns are fed one per "
              "decode step) instead of prefilling its whole history again; the same text either way.")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--target-graph/--no-target-graph", default=None,
+        help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
+             "it); off: the eager HF forward. The same text either way in float32.",
+        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
 @option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3).")
@@ -438,6 +446,10 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
 @option("--part-size", type=int, help="Rows per written part (the unit of resume).")
 @option("--batch-size", type=int, help="Sequences sampled together.", default_text="256 on GPU, 32 on CPU")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
+@option("--target-graph/--no-target-graph", default=None,
+        help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
+             "it); off: the eager HF forward. The same text either way in float32.",
+        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
 @option("--json", "json_out", help="Also write the record (settings, counts, seconds) to this JSON file.")

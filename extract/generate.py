@@ -383,12 +383,14 @@ class Engine:
 def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int], max_new_tokens: int | Sequence[int],
              batch_size: int = 32, max_batch_tokens: int = 1 << 20, prefill_tokens: int = 8192,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, pad_id: int = 0,
-             refill: int | None = None, on_result=None, first_row: int = 0, engine: str = "auto") -> list[Result]:
+             refill: int | None = None, on_result=None, first_row: int = 0, engine: str = "auto",
+             decoder=None) -> list[Result]:
     """Generate for every prompt (token ids); Results in prompt order. Longest prompts are admitted first.
     max_new_tokens may be one int or one per prompt. Sampling stream of prompt i: rng_key(seed, first_row + i)
     (a call over rows 100..199 samples what one call over rows 0..199 samples for them).
     engine: "eager" (Engine), "static" (extract/slot_engine.py's SlotEngine: CUDA graphs on a GPU, the same
-    static-cache code eagerly elsewhere) or "auto" (static on a GPU where the model allows it, else eager)."""
+    static-cache code eagerly elsewhere) or "auto" (static on a GPU where the model allows it, else eager).
+    decoder: a StaticDecoder to reuse (with its captured graphs) when it is large enough."""
     from .slot_engine import SlotEngine, slot_engine_unsupported
 
     mnt = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
@@ -399,7 +401,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int],
         longest = max(len(p) + m for p, m in zip(prompts, mnt))
         eng = SlotEngine(model, eos_ids=eos_ids, slots=min(batch_size, len(prompts)), max_len=longest,
                          prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
-                         refill=refill)
+                         refill=refill, decoder=decoder)
     else:
         eng = Engine(model, eos_ids=eos_ids, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                      prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,

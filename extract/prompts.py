@@ -82,7 +82,7 @@ class Sampler:
     tokenizer and its template's prefix)."""
 
     def __init__(self, target: str, device: str = "auto", dtype: str = "auto", batch_size: int = 0,
-                 tokenizer=None, prefix: str | None = None):
+                 tokenizer=None, prefix: str | None = None, target_graph: bool | None = None):
         from dflash.core.chat import eos_ids_of
         from dflash.core.dist import parse_device, resolve_dtype
         from dflash.core.target import load_causal_lm, load_config, load_tokenizer
@@ -96,6 +96,14 @@ class Sampler:
         self.model = load_causal_lm(target, device=self.device, dtype=self.dtype, attn_impl="sdpa")
         self.eos = eos_ids_of(self.model, self.tokenizer)
         self.engine = plan_engine(load_config(target), self.dtype, self.device, batch_size)
+        from dflash.core.target import TargetError
+        from dflash.extract.slot_engine import slot_engine_unsupported
+
+        why = slot_engine_unsupported(self.model)
+        if target_graph and why is not None:
+            raise TargetError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
+        self.graphs = why is None if target_graph is None else bool(target_graph)  # False: the eager engine
+        self.decoder = None
 
     def rows(self, first: int, last: int, settings: dict[str, Any], on_row=None) -> list[dict[str, Any]]:
         """[{"text", "ended", "tokens"}] of rows first..last-1."""
@@ -104,8 +112,14 @@ class Sampler:
         from dflash.extract.generate import generate
 
         batch, max_tokens, prefill = self.engine
+        if self.graphs and self.decoder is None:  # one static decoder (and its CUDA graphs) for every part
+            from dflash.core.static_decode import StaticDecoder
+
+            self.decoder = StaticDecoder(self.model, slots=batch, max_len=len(self.ids) + settings["max_new_tokens"],
+                                         max_q=1)
         with torch.inference_mode():
-            res = generate(self.model, [self.ids] * (last - first), eos_ids=self.eos,
+            res = generate(self.model, [self.ids] * (last - first), eos_ids=self.eos, decoder=self.decoder,
+                           engine="static" if self.graphs else "eager",
                            max_new_tokens=settings["max_new_tokens"], batch_size=batch, max_batch_tokens=max_tokens,
                            prefill_tokens=prefill, temperature=settings["temperature"], top_p=settings["top_p"],
                            seed=settings["seed"], pad_id=min(self.eos) if self.eos else 0, first_row=first,
@@ -162,6 +176,7 @@ class PromptsConfig:
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     overwrite: bool = False
     device: str = "auto"
+    target_graph: bool | None = None  # None: the target decodes in CUDA graphs on a GPU where it can (slot_engine)
     progress: bool = True
 
     def __post_init__(self):
@@ -297,7 +312,8 @@ def _run(cfg: PromptsConfig) -> dict[str, Any]:
         print(f"prompts: resuming: {len(done)} of {n_parts} parts already sampled in {cfg.out}", flush=True)
     sampled_s, todo_rows = 0.0, sum(rows_of[p][1] - rows_of[p][0] for p in todo)
     if todo:
-        sampler = Sampler(cfg.target, cfg.device, cfg.dtype, cfg.batch_size, tokenizer=tokenizer, prefix=prefix)
+        sampler = Sampler(cfg.target, cfg.device, cfg.dtype, cfg.batch_size, tokenizer=tokenizer, prefix=prefix,
+                          target_graph=cfg.target_graph)
         print(f"prompts: sampling {todo_rows:,} user turns from {cfg.target} after {prefix!r} (temperature "
               f"{cfg.temperature:g}, top-p {cfg.top_p:g}, seed {cfg.seed}, at most {cfg.max_new_tokens} tokens each) "
               f"on {sampler.device}", flush=True)

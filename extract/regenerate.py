@@ -42,7 +42,7 @@ from dflash.core.chat import DataError, content_of, eos_ids_of, iter_row_batches
 from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.core.paths import output_lock
-from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info, text_config
+from dflash.core.target import TargetError, load_causal_lm, load_config, load_tokenizer, target_info, text_config
 from dflash.core.weights import fingerprint
 
 from .data import ChatTokenizer, tokenizer_fingerprint
@@ -58,6 +58,7 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
     sample,
     uniforms,
 )
+from .slot_engine import SlotEngine, plan_slots, slot_engine_unsupported
 from .regen_out import (  # noqa: F401  (META_NAME, part_name: importable from here, as before the split)
     FORMAT,
     FORMAT_VERSION,
@@ -107,6 +108,9 @@ class RegenerateConfig:
     turns: str = "all"
     overwrite: bool = False
     device: str = "auto"
+    # the target's decode step as CUDA graphs over a static KV cache (extract/slot_engine.py); None: on a GPU where
+    # the model allows it, else the eager engine (extract/generate.py)
+    target_graph: bool | None = None
     progress: bool = True
 
     def __post_init__(self):
@@ -307,6 +311,22 @@ def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
     return parts
 
 
+def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, follow):
+    """The slot engine (the decode step in CUDA graphs over a static KV cache) where the GPU and the model allow
+    it and --target-graph is not off, else the eager Engine; --target-graph on where it cannot is an error."""
+    why = slot_engine_unsupported(model) if cfg.target_graph is not False else "off"
+    plan = plan_slots(hf_cfg, dtype, batch, max_tokens) if why is None else None
+    if why is None and plan is None:
+        why = f"a KV budget of {max_tokens} tokens holds too few positions per row"
+    if cfg.target_graph and why is not None:
+        raise TargetError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
+    kw = dict(eos_ids=eos, prefill_tokens=prefill, temperature=cfg.temperature, top_p=cfg.top_p, pad_id=pad,
+              follow=follow if cfg.continue_turns else None)
+    if plan is not None:
+        return SlotEngine(model, slots=plan.slots, max_len=plan.max_len, overflow_tokens=plan.overflow_tokens, **kw)
+    return Engine(model, batch_size=batch, max_batch_tokens=max_tokens, **kw)
+
+
 def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress,
                       model=None) -> dict[str, int]:
     total = sum(st["stats"]["rows"] for st in parts.values())
@@ -336,9 +356,7 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         c.next_ids = ids
         return Continuation(ids[n + m:], cfg.max_new_tokens, rng_key(seed, c.row, c.next + 1))
 
-    eng = Engine(model, eos_ids=eos, batch_size=batch, max_batch_tokens=max_tokens, prefill_tokens=prefill,
-                 temperature=cfg.temperature, top_p=cfg.top_p, pad_id=pad,
-                 follow=follow if cfg.continue_turns else None)
+    eng = _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, follow)
 
     def submit(p: int, c: Conversation) -> None:
         i = c.turns[c.next]
@@ -420,6 +438,9 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                        "decode_real_columns": eng.decode_real_columns, "continued_turns": eng.continued,
                        "continuation_tokens": eng.forced_tokens, "continuations_refused": eng.refused,
                        "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
+                       "target_graph": isinstance(eng, SlotEngine),
+                       "graphs_captured": eng.graphs if isinstance(eng, SlotEngine) else 0,
+                       "overflowed": eng.overflowed if isinstance(eng, SlotEngine) else 0,
                        "kv_bytes_per_token": kv_bytes_per_token(model.config, next(model.parameters()).dtype),
                        "seconds": dict(eng.seconds)}}
 

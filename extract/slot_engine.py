@@ -73,10 +73,12 @@ class SlotEngine:
     def __init__(self, model, *, eos_ids: Iterable[int], slots: int, max_len: int, prefill_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, pad_id: int = 0, refill: int | None = None,
                  follow: Callable[[Result], Continuation | None] | None = None, overflow_tokens: int = 1 << 16,
-                 graphs: bool = True, bucket: int = 256):
+                 graphs: bool = True, bucket: int = 256, decoder: StaticDecoder | None = None):
         self.model = model
         self.device = next(model.parameters()).device
-        self.dec = StaticDecoder(model, slots=slots, max_len=max_len, graphs=graphs, max_q=1, bucket=bucket)
+        if decoder is None or decoder.slots < slots or decoder.max_len < max_len:
+            decoder = StaticDecoder(model, slots=slots, max_len=max_len, graphs=graphs, max_q=1, bucket=bucket)
+        self.dec = decoder  # a caller's decoder is reused (its graphs too): sampling in parts captures once
         self.eos = frozenset(int(i) for i in eos_ids)
         self.batch_size = int(slots)
         self.max_len = self.dec.max_len

@@ -19,6 +19,8 @@ and category too, and the printed report a table with one line per set and per c
 
 The JSON report (--json; schema SCHEMA, the same keys on every run):
   schema, config, device, dtype, prompts, block_size, drafter_layers, draft_graph, target_attention,
+  target_graph             true when the target's steps ran as CUDA graphs over a static KV cache (StaticTarget):
+                           the speed-ups are then those of both models graph-captured, as serving engines run them
   target, dflash, ngram    one METHOD object each over all prompts (ngram when EvalConfig.ngram, the default;
                            target: the target alone, speedup 1 and identical = prompts by definition)
   tau_gain_over_ngram      dflash tau / n-gram tau (with ngram)
@@ -54,7 +56,7 @@ from .checkpoint import check_fits_target, load_drafter, read_drafter_config
 from .decode import Decode, NgramProposer, NoDraft, speculative
 from .drafting import DFlashProposer
 from .model import DrafterError
-from .verify import Target
+from .verify import StaticTarget, Target
 
 
 @dataclass
@@ -79,6 +81,9 @@ class EvalConfig:
     # the drafter's step (context + draft) as one CUDA graph (checked against the eager step once); None: on a GPU
     # (bench/spec_step.py --draft-only on the H200: 0.61 vs 2.33 ms a step in bf16), off on a CPU (no graphs there)
     draft_graph: bool | None = None
+    # the target's steps (alone, and the verify of a block) as CUDA graphs over a static KV cache (train/verify.py
+    # StaticTarget), as serving engines run it; None: on a GPU where the model allows it, else the HF forward
+    target_graph: bool | None = None
     progress: bool = True
 
     def __post_init__(self):
@@ -275,6 +280,21 @@ def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, d
     return tok, model, drafter, Target(model, drafter.cfg.target_layer_ids)
 
 
+def static_target(cfg: EvalConfig, model, layer_ids: list[int], max_len: int, block_size: int):
+    """StaticTarget (the target's steps in CUDA graphs) when cfg.target_graph allows it and the device and the
+    model can; None for the HF forward. --target-graph on where it cannot is an error naming why."""
+    from dflash.core.static_decode import unsupported
+
+    cuda = next(model.parameters()).device.type == "cuda"
+    why = None if cuda else "not on a CUDA device"
+    why = why or unsupported(model)
+    if cfg.target_graph and why is not None:
+        raise DrafterError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
+    if cfg.target_graph is False or why is not None:
+        return None
+    return StaticTarget(model, layer_ids, max_len=max_len, block_size=block_size)
+
+
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
 
     dev = compute_init(cfg.device).device
@@ -286,6 +306,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
     graph = dev.type == "cuda" if cfg.draft_graph is None else cfg.draft_graph
+    target = static_target(cfg, model, drafter.cfg.target_layer_ids, max_len, B) or target
     dflash = DFlashProposer(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
@@ -323,7 +344,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "schema": SCHEMA,
         "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
-        "target_attention": target.attention,
+        "target_attention": target.attention, "target_graph": isinstance(target, StaticTarget),
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
     }
@@ -357,6 +378,10 @@ def format_report(r: dict[str, Any]) -> str:
     w = [max(len(x[i]) for x in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows]
     lines.append(f"{r['prompts']} prompts, {r['target_tokens']} tokens, block {r['block_size']}, {r['dtype']} on {r['device']}")
+    graphs = [name for name, on in (("target", r.get("target_graph")), ("drafter", r.get("draft_graph") == "graph"))
+              if on]
+    lines.append("speed-ups with " + (" and ".join(graphs) + " in CUDA graphs" if graphs else "both models eager")
+                 + ("" if len(graphs) == 2 else " (serving engines run both in CUDA graphs)"))
     diff = r["dflash"].get("differences")
     if diff and diff["differing"]:
         lines.append(f"dflash outputs differing from the target's: {diff['differing']} ({diff['near_tie']} near-tie "
