@@ -137,3 +137,37 @@ def test_eval_on_gpu(assets):
     assert r.returncode == 0, r.stderr[-3000:]
     rep32 = json.load(open(out32))
     assert rep32["draft_graph"] == "graph" and rep32["dflash"]["outputs_identical"] == 4  # lossless through the graph
+
+
+def test_graph_captured_decoding_equals_eager_decoding(assets):
+    """The static decoder's CUDA-graph replays give the eager (uncaptured) call's logits, and graph decoding gives
+    the eager HF engine's tokens, greedy and sampled, in float32 (regenerate and prompts) and the HF loop's through
+    eval's StaticTarget."""
+    from dflash.core.static_decode import StaticDecoder
+    from dflash.core.target import load_causal_lm
+    from dflash.extract.generate import generate
+    from dflash.train.decode import greedy
+    from dflash.train.verify import StaticTarget, Target
+
+    _, target, _ = assets
+    m = load_causal_lm(target, device=torch.device("cuda:0"), dtype=torch.float32).eval()
+    V = m.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, V, (4, 40), generator=g).cuda()
+    decs = [StaticDecoder(m, slots=4, max_len=64, layer_ids=[1, 3], bucket=16, graphs=on) for on in (False, True)]
+    for d in decs:
+        d.prefill(ids[:, :20], torch.arange(4, device="cuda"))
+    for t in range(20, 30):
+        start = torch.full((4,), t, dtype=torch.long, device="cuda")
+        (a, ha), (b, hb) = (d.step(ids[:, t:t + 1], start, t + 1) for d in decs)
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-5)
+    assert decs[1].captures >= 2 and not decs[0].captures  # two buckets of 16 columns were crossed
+    prompts = [ids[i, :n].tolist() for i, n in enumerate((5, 17, 30, 9))]
+    for kw in ({}, {"temperature": 1.0, "top_p": 0.9, "seed": 5}):
+        eager = generate(m, prompts, eos_ids=set(), max_new_tokens=24, batch_size=4, engine="eager", **kw)
+        graph = generate(m, prompts, eos_ids=set(), max_new_tokens=24, batch_size=4, engine="static", **kw)
+        assert [r.tokens for r in graph] == [r.tokens for r in eager], kw
+    st, ht = StaticTarget(m, [1, 3], max_len=80, block_size=4), Target(m, [1, 3])
+    for p in prompts:
+        assert greedy(st, p, 24, set()).tokens == greedy(ht, p, 24, set()).tokens

@@ -1,0 +1,167 @@
+"""The target's decode steps against their physical bound: eager (the HF forward with a DynamicCache, what dflash
+ran before CUDA graphs) and graph-captured (dflash/core/static_decode.py, what regenerate, prompts and eval run on a
+GPU), at the GPU recipe's target shape (SmolLM2-135M, Llama) and the Qwen3-8B shape, random weights.
+
+Feeds BENCHMARKS.md, "Decoding at serving speed".
+
+    python bench/decode.py                                  # both shapes, cuda
+    python bench/decode.py --shapes recipe --batches 256,1024 --context 512 --json decode.json
+
+Per shape:
+  * step b1: one token of one sequence after --context tokens (the target alone in `dflash eval`);
+  * verify 16: a block of 16 tokens of one sequence (the verify of a drafted block);
+  * decode bN: one token for each of N sequences of --context tokens each (regenerate's batched step), as tokens/s;
+each with the bound = (weight bytes + KV bytes read) / --bandwidth (the H200's ~4.8 TB/s): a step cannot be
+faster than reading its weights and its KV cache once. `x bound` = measured / bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
+from dflash.core.static_decode import StaticDecoder  # noqa: E402
+from dflash.core.target import decode_sdpa  # noqa: E402
+
+
+def model_of(shape: str, device, dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    if shape == "recipe":
+        kw = dict(SMOLLM2)
+        theta = kw.pop("rope_theta")
+        cfg = LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
+        cls = LlamaForCausalLM
+    else:
+        cfg, cls = qwen3_config(QWEN3_8B), Qwen3ForCausalLM
+    cfg._attn_implementation = "sdpa"
+    with torch.device(device):
+        m = cls(cfg).to(dtype).eval()
+    return m
+
+
+def timed(fn, iters: int) -> float:
+    """Median seconds of fn() with the device synchronised (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def kv_bytes_per_token(m) -> int:
+    c = m.config
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
+
+
+def weight_bytes(m) -> int:
+    seen, n = set(), 0
+    for p in m.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            n += p.numel() * p.element_size()
+    emb = m.get_input_embeddings().weight
+    return n - emb.numel() * emb.element_size() * (emb.data_ptr() != m.get_output_embeddings().weight.data_ptr())
+
+
+def eager_step(m, context: int, q: int):
+    from transformers import DynamicCache
+
+    dev = next(m.parameters()).device
+    cache = DynamicCache()
+    ids = torch.randint(0, m.config.vocab_size, (1, context), device=dev)
+    with torch.inference_mode(), decode_sdpa():
+        m(input_ids=ids, cache=cache, use_cache=True)
+    step = torch.randint(0, m.config.vocab_size, (1, q), device=dev)
+    pos = torch.arange(context, context + q, device=dev)[None]
+
+    def fn():
+        with torch.inference_mode(), decode_sdpa():
+            m(input_ids=step, position_ids=pos, cache=cache, use_cache=True)
+            cache.crop(context)
+    return fn
+
+
+def graph_step(m, batch: int, context: int, q: int):
+    dev = next(m.parameters()).device
+    dec = StaticDecoder(m, slots=batch, max_len=context + 16, max_q=max(q, 1))
+    ids = torch.randint(0, m.config.vocab_size, (batch, context), device=dev)
+    for lo in range(0, batch, 64):  # the prompts into their slots, in chunks
+        with decode_sdpa():
+            dec.prefill(ids[lo:lo + 64], torch.arange(lo, min(batch, lo + 64), device=dev))
+    step = torch.randint(0, m.config.vocab_size, (batch, q), device=dev)
+    start = torch.full((batch,), context, dtype=torch.long, device=dev)
+
+    def fn():
+        with decode_sdpa():
+            dec.step(step, start, context + q, all_logits=q > 1)
+    return fn
+
+
+def run(shape: str, args, dev) -> list[dict]:
+    m = model_of(shape, dev, torch.bfloat16)
+    wb, kvt = weight_bytes(m), kv_bytes_per_token(m)
+    bw = args.bandwidth * 1e12
+    rows = []
+
+    def add(what, mode, secs, tokens, kv_tokens):
+        bound = (wb + kv_tokens * kvt) / bw
+        rows.append({"shape": shape, "what": what, "mode": mode, "ms": 1e3 * secs, "bound_ms": 1e3 * bound,
+                     "x_bound": secs / bound, "tokens_per_s": tokens / secs})
+        print(json.dumps(rows[-1]), flush=True)
+
+    c = args.context
+    add("step b1", "eager", timed(eager_step(m, c, 1), args.iters), 1, c)
+    add("step b1", "graph", timed(graph_step(m, 1, c, 1), args.iters), 1, c)
+    add("verify 16", "eager", timed(eager_step(m, c, 16), args.iters), 16, c + 16)
+    add("verify 16", "graph", timed(graph_step(m, 1, c, 16), args.iters), 16, c + 16)
+    for b in args.batches:
+        if shape != "recipe" and b > 256:
+            continue  # 8B shape: 256 x 512 tokens of KV is already 19 GB
+        add(f"decode b{b}", "graph", timed(graph_step(m, b, c, 1), args.iters), b, b * c)
+        torch.cuda.empty_cache()
+    del m
+    torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="recipe,qwen3-8b")
+    ap.add_argument("--batches", default="64,256,1024", type=lambda s: [int(x) for x in s.split(",")])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--bandwidth", type=float, default=4.8, help="HBM bandwidth in TB/s (the H200's datasheet)")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    rows = []
+    for s in args.shapes.split(","):
+        rows += run(s, args, dev)
+    print(f"\n{hardware()}, torch {torch.__version__}, context {args.context}")
+    for r in rows:
+        print(f"{r['shape']:9} {r['what']:12} {r['mode']:6} {r['ms']:8.3f} ms  bound {r['bound_ms']:7.3f} ms  "
+              f"x{r['x_bound']:5.2f}  {r['tokens_per_s']:>12,.0f} tok/s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"hardware": hardware(), "torch": torch.__version__, "context": args.context, "rows": rows}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()
