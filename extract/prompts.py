@@ -128,10 +128,11 @@ class Sampler:
                  "tokens": len(r.tokens)} for r in res]
 
     def close(self) -> None:
-        """Give the model's memory back (a caller may load the target again next)."""
+        """Give the model's and its KV cache's memory back (a caller may load the target again next)."""
         import torch
 
         del self.model
+        self.decoder = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -240,6 +240,8 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
     run_stats = {"generated_tokens": 0, "conversations": 0, "seconds": 0.0}
     if todo:
         run_stats = _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress, model)
+        if dev.type == "cuda":  # the engine's KV cache back to the device: a process that goes on (the demo, a
+            torch.cuda.empty_cache()  # trainer beside it) must not find it held by this one's allocator
     elapsed = time.perf_counter() - t0
     gen_s = run_stats["seconds"]
 
@@ -323,7 +325,8 @@ def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, fol
     kw = dict(eos_ids=eos, prefill_tokens=prefill, temperature=cfg.temperature, top_p=cfg.top_p, pad_id=pad,
               follow=follow if cfg.continue_turns else None)
     if plan is not None:
-        return SlotEngine(model, slots=plan.slots, max_len=plan.max_len, overflow_tokens=plan.overflow_tokens, **kw)
+        return SlotEngine(model, slots=plan.slots, max_len=plan.max_len, overflow_tokens=plan.overflow_tokens,
+                          start_len=512, **kw)
     return Engine(model, batch_size=batch, max_batch_tokens=max_tokens, **kw)
 
 
@@ -441,6 +444,7 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                        "target_graph": isinstance(eng, SlotEngine),
                        "graphs_captured": eng.graphs if isinstance(eng, SlotEngine) else 0,
                        "overflowed": eng.overflowed if isinstance(eng, SlotEngine) else 0,
+                       "slot_positions": eng.max_len if isinstance(eng, SlotEngine) else 0,
                        "kv_bytes_per_token": kv_bytes_per_token(model.config, next(model.parameters()).dtype),
                        "seconds": dict(eng.seconds)}}
 

@@ -10,7 +10,9 @@ one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the
     rounded up to the decoder's bucket: one graph per (n, bucket), captured on first use. When the queue is empty
     and the busy rows fit half of n, the highest busy rows move down into free slots (one copy of those rows)
     so the tail of a run decodes a smaller batch;
-  * a request longer than a slot (prompt + max_new_tokens > max_len) is decoded by an eager Engine beside it
+  * the slots start with start_len positions and grow (doubling, one copy of the cache, the graphs captured
+    again) when a request needs more, up to max_len: memory follows the longest request seen, not the budget;
+  * a request longer than a slot can grow (prompt + max_new_tokens > max_len) is decoded by an eager Engine beside it
     (`overflow`), and a continuation that would outgrow its slot is refused (the caller submits the next turn
     as a new prompt), as Engine does with its token budget: no request is ever dropped;
   * sampling is Engine's: one uniform per (row's rng key, step), so the text of a row depends on neither the
@@ -73,16 +75,18 @@ class SlotEngine:
     def __init__(self, model, *, eos_ids: Iterable[int], slots: int, max_len: int, prefill_tokens: int,
                  temperature: float = 0.0, top_p: float = 1.0, pad_id: int = 0, refill: int | None = None,
                  follow: Callable[[Result], Continuation | None] | None = None, overflow_tokens: int = 1 << 16,
-                 graphs: bool = True, bucket: int = 256, decoder: StaticDecoder | None = None):
+                 graphs: bool = True, bucket: int = 256, decoder: StaticDecoder | None = None,
+                 start_len: int | None = None):
         self.model = model
         self.device = next(model.parameters()).device
-        if decoder is None or decoder.slots < slots or decoder.max_len < max_len:
-            decoder = StaticDecoder(model, slots=slots, max_len=max_len, graphs=graphs, max_q=1, bucket=bucket)
+        self.limit = -(-int(max_len) // bucket) * bucket  # positions a slot may grow to
+        if decoder is None or decoder.slots < slots:
+            first = self.limit if start_len is None else min(self.limit, max(2 * bucket, int(start_len)))
+            decoder = StaticDecoder(model, slots=slots, max_len=first, graphs=graphs, max_q=1, bucket=bucket)
         self.dec = decoder  # a caller's decoder is reused (its graphs too): sampling in parts captures once
         self.eos = frozenset(int(i) for i in eos_ids)
         self.batch_size = int(slots)
-        self.max_len = self.dec.max_len
-        self.max_batch_tokens = self.batch_size * self.max_len
+        self.max_batch_tokens = self.batch_size * self.limit
         self.prefill_tokens = int(prefill_tokens)
         self.temperature, self.top_p, self.pad_id = float(temperature), float(top_p), int(pad_id)
         self.refill = max(1, int(refill if refill is not None else self.batch_size // 4))
@@ -104,6 +108,7 @@ class SlotEngine:
         self.compactions = 0
         self.continued = self.forced_tokens = self.refused = 0
         self.overflowed = 0  # requests decoded by the eager engine (longer than a slot)
+        self.grows = 0  # times the slots grew to hold a longer request
 
     # -- Engine's interface -----------------------------------------------------------------------------------------
     @property
@@ -127,10 +132,12 @@ class SlotEngine:
             raise ValueError("empty prompt")
         if req.max_new_tokens < 1:
             raise ValueError("max_new_tokens must be >= 1")
-        if len(req.prompt) + req.max_new_tokens > self.max_len:
+        need = len(req.prompt) + req.max_new_tokens
+        if need > self.limit:
             self.overflowed += 1
             self.overflow.add(req)
             return
+        self._fit(need)
         heapq.heappush(self.pending, (req.priority, self._seq, req))
         self._seq += 1
 
@@ -254,9 +261,11 @@ class SlotEngine:
         forced = list(map(int, cont.forced))
         if not forced or cont.max_new_tokens < 1:
             return False
-        if self.pos[s] + len(forced) + cont.max_new_tokens + 1 > self.max_len:
+        need = self.pos[s] + len(forced) + cont.max_new_tokens + 1
+        if need > self.limit:
             self.refused += 1
             return False
+        self._fit(need)
         feed = forced
         if stop:  # the stop id (not in the cache yet) is replaced by the continuation's first id
             inputs[s] = feed[0]
@@ -269,6 +278,19 @@ class SlotEngine:
         self.continued += 1
         self.forced_tokens += len(forced)
         return True
+
+    def _fit(self, need: int) -> None:
+        """Grow every slot (doubling, up to the limit) until it holds `need` positions: the memory follows the
+        longest request seen, not the budget."""
+        if need > self.dec.max_len:
+            t = time.perf_counter()
+            self.dec.grow(min(self.limit, max(need, 2 * self.dec.max_len)))
+            self.grows += 1
+            self.seconds["batch_edit"] += time.perf_counter() - t
+
+    @property
+    def max_len(self) -> int:
+        return self.dec.max_len
 
     def _compact(self) -> None:
         """With no prompt waiting: move the highest busy rows into the lowest free slots while the busy rows fit
@@ -290,5 +312,5 @@ class SlotEngine:
             self.slot_rows[b], self.slot_rows[a] = self.slot_rows[a], None
             self.pos[b], self.pos[a] = self.pos[a], 0
         self.compactions += 1
-        self.copied_columns += len(src) * self.max_len
+        self.copied_columns += len(src) * self.dec.max_len
         self.seconds["batch_edit"] += time.perf_counter() - t

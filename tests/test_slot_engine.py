@@ -2,7 +2,7 @@
 single-sequence greedy decoding and against the eager Engine, in float32 on CPU (the same code a GPU replays as
 CUDA graphs; tests/test_gpu.py replays them). Covered:
 
-    greedy: rows of every length leaving at different steps (end id or their own max-new-tokens), slots refilled
+    greedy: slots that grow to the longest request, rows of every length leaving at different steps (end id or their own max-new-tokens), slots refilled
         many times, the tail moved into lower slots, and requests longer than a slot decoded beside it by the eager
         engine: every output equals one sequence decoded alone;
     turns that go on in their slot (follow) equal a fresh prefill of the whole context, and a continuation that
@@ -38,7 +38,7 @@ def test_greedy_in_slots_equals_single_sequence(model):
     refs = [_reference(model, p, n, eos) for p, n in zip(prompts, max_new)]
     assert sum(stop for _, stop in refs) >= 3
     # 16 slots of 48 positions (bucket 16): the longest requests (prompt + max new > 48) go to the eager engine
-    eng = SlotEngine(model, eos_ids=eos, slots=16, max_len=48, prefill_tokens=64, refill=1, bucket=16)
+    eng = SlotEngine(model, eos_ids=eos, slots=16, max_len=48, prefill_tokens=64, refill=1, bucket=16, start_len=16)
     for i, (p, n) in enumerate(zip(prompts, max_new)):
         eng.add(Request(p, n, key=i, priority=(-len(p), i)))
     results, widths = {}, []
@@ -49,6 +49,7 @@ def test_greedy_in_slots_equals_single_sequence(model):
             widths.append(eng._width())
     assert eng.overflowed == sum(len(p) + n > 48 for p, n in zip(prompts, max_new)) >= 1
     assert eng.prefills > 2 and eng.compactions >= 1 and min(widths) < max(widths)
+    assert eng.grows >= 1 and eng.max_len == 48  # from 32 positions (two buckets) to the longest request's 48
     for i, (ref, stop) in enumerate(refs):
         r = results[i]
         assert r.stopped == stop

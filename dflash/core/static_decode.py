@@ -94,20 +94,41 @@ class StaticDecoder:
         L = len(self.layers)
         self.layer_ids = list(layer_ids or [])
         self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
-        rot = self.base.rotary_emb
-        pos = torch.arange(self.max_len, device=self.device, dtype=torch.float32)
-        freqs = pos[:, None] * rot.inv_freq.to(device=self.device, dtype=torch.float32)[None]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        scale = float(getattr(rot, "attention_scaling", 1.0))
-        self.cos = (emb.cos() * scale).to(self.dtype)  # [max_len, D], as the HF rotary module computes them
-        self.sin = (emb.sin() * scale).to(self.dtype)
-        self.cols = torch.arange(self.max_len, device=self.device)
+        self._tables()
         self.graphs_on = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int, int], tuple] = {}
         self._pool = None
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
         self._start = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self.captures = 0
+
+    def _tables(self) -> None:
+        """cos/sin of every position [max_len, D], as the HF rotary module computes them, and the column ids."""
+        rot = self.base.rotary_emb
+        pos = torch.arange(self.max_len, device=self.device, dtype=torch.float32)
+        freqs = pos[:, None] * rot.inv_freq.to(device=self.device, dtype=torch.float32)[None]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = float(getattr(rot, "attention_scaling", 1.0))
+        self.cos = (emb.cos() * scale).to(self.dtype)
+        self.sin = (emb.sin() * scale).to(self.dtype)
+        self.cols = torch.arange(self.max_len, device=self.device)
+
+    @torch.inference_mode()
+    def grow(self, max_len: int) -> None:
+        """At least max_len positions per slot (rounded up to a bucket): the cache is copied into larger buffers and
+        the captured graphs, which read the old ones, are dropped (the next steps capture again)."""
+        new = -(-int(max_len) // self.bucket) * self.bucket
+        if new <= self.max_len:
+            return
+        for buf in (self.k, self.v):
+            for i, old in enumerate(buf):
+                t = old.new_zeros(old.shape[:2] + (new, old.shape[3]))
+                t[:, :, :self.max_len] = old
+                buf[i] = t
+        self.max_len = new
+        self._tables()
+        self._graphs.clear()
+        self._pool = None
 
     # -- the layers ------------------------------------------------------------------------------------------------
     def _attention(self, i: int, layer, x: torch.Tensor, cos, sin, rows, start, span: int | None):
