@@ -157,7 +157,7 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
     decs = [StaticDecoder(m, slots=4, max_len=64, layer_ids=[1, 3], bucket=16, graphs=on) for on in (False, True)]
     for d in decs:
         d.prefill(ids[:, :20], torch.arange(4, device="cuda"))
-    for t in range(20, 30):
+    for t in range(20, 40):  # spans of 32 then 48 columns
         start = torch.full((4,), t, dtype=torch.long, device="cuda")
         (a, ha), (b, hb) = (d.step(ids[:, t:t + 1], start, t + 1) for d in decs)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)

@@ -57,11 +57,6 @@ def unsupported(model) -> str | None:
     return None
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 class StaticDecoder:
     """The target over a static KV cache (module docstring). Inputs and outputs of graphed steps live in static
     buffers: the tensors step() returns are valid until the next step.
@@ -95,6 +90,12 @@ class StaticDecoder:
         self.layer_ids = list(layer_ids or [])
         self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
         self._tables()
+        self._qkv = []  # per layer: q, k and v projections stacked (one matmul; a copy of those weights)
+        for layer in self.layers:
+            a = layer.self_attn
+            w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach()
+            b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
+            self._qkv.append((w, b))
         self.graphs_on = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int, int], tuple] = {}
         self._pool = None
@@ -110,7 +111,9 @@ class StaticDecoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         scale = float(getattr(rot, "attention_scaling", 1.0))
         self.cos = (emb.cos() * scale).to(self.dtype)
-        self.sin = (emb.sin() * scale).to(self.dtype)
+        half = emb.shape[-1] // 2
+        sign = torch.cat([-torch.ones(half, device=self.device), torch.ones(half, device=self.device)])
+        self.sin = (emb.sin() * scale).to(self.dtype) * sign.to(self.dtype)  # rotate_half's sign folded in
         self.cols = torch.arange(self.max_len, device=self.device)
 
     @torch.inference_mode()
@@ -131,37 +134,49 @@ class StaticDecoder:
         self._pool = None
 
     # -- the layers ------------------------------------------------------------------------------------------------
-    def _attention(self, i: int, layer, x: torch.Tensor, cos, sin, rows, start, span: int | None):
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        """The HF RMSNorm `module` on x: weight * (x in float32 / rms).to(x's dtype), through torch's rms_norm
+        (fewer kernels than the module's six elementwise ones: a decode step is bound by launches)."""
+        eps = getattr(module, "variance_epsilon", None)
+        if eps is None:
+            return module(x)
+        y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+        return module.weight * y
+
+    def _attention(self, i: int, layer, x: torch.Tensor, cos, sin, rows, start, span: int | None, cols, mask):
         """Self-attention of layer i for x [n, q, H] at positions start[r]+j. span=None: a prefill (rows' columns
-        0..q-1, causal within x); else a step over the first `span` columns of the cache."""
+        0..q-1, causal within x); else a step over the first `span` columns of the cache (cols [n, q]: the columns
+        the step writes; mask [n, 1, G*q, span]: what each folded query row sees)."""
         a = layer.self_attn
         n, q, _ = x.shape
-        D = self.head_dim
-        qs = a.q_proj(x).view(n, q, self.heads, D)
-        ks = a.k_proj(x).view(n, q, self.kv_heads, D)
+        D, Hq, Hk = self.head_dim, self.heads, self.kv_heads
+        w, b = self._qkv[i]
+        heads = torch.nn.functional.linear(x, w, b).view(n, q, Hq + 2 * Hk, D)  # q, k and v in one matmul
         if hasattr(a, "q_norm"):
-            qs, ks = a.q_norm(qs), a.k_norm(ks)
-        qs, ks = qs.transpose(1, 2), ks.transpose(1, 2)  # [n, heads, q, D]
-        vs = a.v_proj(x).view(n, q, self.kv_heads, D).transpose(1, 2)
-        cos, sin = cos[:, None], sin[:, None]  # [n, 1, q, D]
-        qs = qs * cos + _rotate_half(qs) * sin
-        ks = ks * cos + _rotate_half(ks) * sin
-        sdpa = torch.nn.functional.scaled_dot_product_attention
-        if span is None:
-            self.k[i][rows, :, :q] = ks
-            self.v[i][rows, :, :q] = vs
-            out = sdpa(qs, ks, vs, is_causal=True, scale=a.scaling, enable_gqa=self.groups > 1)
+            qk = torch.cat([self._norm(a.q_norm, heads[:, :, :Hq]), self._norm(a.k_norm, heads[:, :, Hq:Hq + Hk])], 2)
         else:
-            cols = start[:, None] + torch.arange(q, device=x.device)[None]  # [n, q]
+            qk = heads[:, :, :Hq + Hk]
+        # rotary on q and k at once: rotate_half(t) = roll(t, D/2) * [-1]*D/2 + [1]*D/2, the sign folded into sin
+        qk = qk * cos[:, :, None] + qk.roll(D // 2, -1) * sin[:, :, None]
+        qs, ks = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:]  # qs [n, Hq, q, D]; ks [n, q, Hk, D]
+        vs = heads[:, :, Hq + Hk:]
+        if span is None:
+            self.k[i][rows, :, :q] = ks.transpose(1, 2)
+            self.v[i][rows, :, :q] = vs.transpose(1, 2)
+            out = torch.nn.functional.scaled_dot_product_attention(
+                qs, ks.transpose(1, 2), vs.transpose(1, 2), is_causal=True, scale=a.scaling, enable_gqa=Hq != Hk)
+            out = out.transpose(1, 2)
+        else:
             r = torch.arange(n, device=x.device)[:, None].expand(n, q)
-            self.k[i][r, :, cols] = ks.transpose(1, 2)  # advanced indices first: [n, q, Hkv, D]
-            self.v[i][r, :, cols] = vs.transpose(1, 2)
+            self.k[i][r, :, cols] = ks  # advanced indices first: [n, q, Hk, D]
+            self.v[i][r, :, cols] = vs
             kc, vc = self.k[i][:n, :, :span], self.v[i][:n, :, :span]
-            g = qs.reshape(n, self.kv_heads, self.groups * q, D)  # query row g*q + j: head kv*G + g, token j
-            seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
-            mask = seen[:, None, :, :].expand(n, self.groups, q, span).reshape(n, 1, self.groups * q, span)
-            out = sdpa(g, kc, vc, attn_mask=mask, scale=a.scaling).reshape(n, self.heads, q, D)
-        return a.o_proj(out.transpose(1, 2).reshape(n, q, self.heads * D))
+            g = qs.reshape(n, Hk, self.groups * q, D)  # query row g*q + j: head kv*G + g, token j
+            # a plain softmax(q k^T) v: SDPA's masked kernels spend ~45 us on a one-token query (the H200)
+            scores = torch.matmul(g, kc.transpose(-1, -2)).float().mul_(a.scaling).masked_fill_(~mask, float("-inf"))
+            out = torch.matmul(scores.softmax(-1).to(x.dtype), vc)  # [n, Hk, G*q, D]
+            out = out.view(n, Hq, q, D).transpose(1, 2)
+        return a.o_proj(out.reshape(n, q, Hq * D))
 
     def _forward(self, ids, rows, start, span, keep):
         """(logits, hidden) for ids [n, q]; keep: the position per row whose logits to return ([n] tensor), or
@@ -169,17 +184,23 @@ class StaticDecoder:
         n, q = ids.shape
         pos = start[:, None] + torch.arange(q, device=ids.device)[None]
         cos, sin = self.cos[pos], self.sin[pos]
+        cols = mask = None
+        if span is not None:
+            cols = pos  # a row's tokens go to the columns of their positions
+            seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
+            mask = seen[:, None].expand(n, self.groups, q, span).reshape(n, 1, self.groups * q, span)
         x = self.base.embed_tokens(ids)
         H = self.hidden_size
         hidden = torch.empty(n, q, len(self.layer_ids) * H, dtype=self.dtype, device=ids.device) \
             if self.layer_ids else None
         for i, layer in enumerate(self.layers):
-            x = x + self._attention(i, layer, layer.input_layernorm(x), cos, sin, rows, start, span)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = x + self._attention(i, layer, self._norm(layer.input_layernorm, x), cos, sin, rows, start, span,
+                                    cols, mask)
+            x = x + layer.mlp(self._norm(layer.post_attention_layernorm, x))
             if hidden is not None and i in self.layer_ids:
                 k = self.layer_ids.index(i)
-                hidden[..., k * H:(k + 1) * H] = self.base.norm(x) if i == self._final_norm_for else x
-        x = self.base.norm(x)
+                hidden[..., k * H:(k + 1) * H] = self._norm(self.base.norm, x) if i == self._final_norm_for else x
+        x = self._norm(self.base.norm, x)
         if keep is not None:
             x = x[torch.arange(n, device=ids.device), keep][:, None]
         return self.model.lm_head(x), hidden

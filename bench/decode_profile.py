@@ -1,0 +1,41 @@
+"""Where a graph-captured decode step's time goes: the static decoder's step (dflash/core/static_decode.py) under
+torch.profiler, kernels by device time. `python bench/decode_profile.py --shape recipe --batch 1 --q 1`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.decode import graph_step, model_of  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="recipe")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--q", type=int, default=1)
+    ap.add_argument("--context", type=int, default=512)
+    args = ap.parse_args()
+    m = model_of(args.shape, torch.device("cuda"), torch.bfloat16)
+    fn = graph_step(m, args.batch, args.context, args.q)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    from dflash.core import static_decode
+
+    dec = fn.__closure__[[c.cell_contents.__class__ for c in fn.__closure__].index(static_decode.StaticDecoder)].cell_contents
+    dec.graphs_on = False  # the same kernels, launched one by one, so the profiler names each
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            fn()
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+
+
+if __name__ == "__main__":
+    main()
