@@ -19,6 +19,10 @@ and category too, and the printed report a table with one line per set and per c
 
 The JSON report (--json; schema SCHEMA, the same keys on every run):
   schema, config, device, dtype, prompts, block_size, drafter_layers, draft_graph, target_attention,
+  harness                  the settings that make one harness's tau comparable with another's (serving engines'
+                           benchmarks differ on them): decoding ("greedy"), temperature (0.0), block_size,
+                           max_new_tokens, stop_at_eos, chat_template_kwargs (as rendered; {} = the template's own
+                           defaults, e.g. thinking on or off), enable_thinking (that kwarg, or null when not given)
   target, dflash, ngram    one METHOD object each over all prompts (ngram when EvalConfig.ngram, the default;
                            target: the target alone, speedup 1 and identical = prompts by definition)
   tau_gain_over_ngram      dflash tau / n-gram tau (with ngram)
@@ -323,7 +327,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "schema": SCHEMA,
         "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
-        "target_attention": target.attention,
+        "target_attention": target.attention, "harness": harness_settings(cfg, B),
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
     }
@@ -339,6 +343,14 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         with open(cfg.json_out, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def harness_settings(cfg: EvalConfig, block_size: int) -> dict[str, Any]:
+    """The report's `harness`: what a serving benchmark must match for its tau to compare with this one."""
+    kwargs = dict(cfg.chat_template_kwargs or {})
+    return {"decoding": "greedy", "temperature": 0.0, "block_size": block_size, "max_new_tokens": cfg.max_new_tokens,
+            "stop_at_eos": cfg.stop_at_eos, "chat_template_kwargs": kwargs,
+            "enable_thinking": kwargs.get("enable_thinking")}
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -357,6 +369,11 @@ def format_report(r: dict[str, Any]) -> str:
     w = [max(len(x[i]) for x in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w[i]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(row)) for row in rows]
     lines.append(f"{r['prompts']} prompts, {r['target_tokens']} tokens, block {r['block_size']}, {r['dtype']} on {r['device']}")
+    h = r.get("harness")
+    if h:
+        lines.append(f"harness: {h['decoding']} (temperature {h['temperature']:g}), block {h['block_size']}, at most "
+                     f"{h['max_new_tokens']} new tokens{', stop at EOS' if h['stop_at_eos'] else ''}, chat template "
+                     f"kwargs {json.dumps(h['chat_template_kwargs']) if h['chat_template_kwargs'] else 'none (the template defaults)'}")
     diff = r["dflash"].get("differences")
     if diff and diff["differing"]:
         lines.append(f"dflash outputs differing from the target's: {diff['differing']} ({diff['near_tie']} near-tie "
