@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import stat
 
 import pytest
@@ -96,13 +97,27 @@ SPECULATORS = [  # speculators 0.9.0: convert/dflash/converter.py, models/dflash
 ]
 
 
+SOURCES = {  # where each table's rules were read (train/engines.py says the same)
+    "SGLang": "sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py @ 00731f0bc9fa81c39802754fb4b62e9cce967582",
+    "vLLM": "vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9, "
+            "vllm/v1/worker/gpu_model_runner.py @ 4e1790651fc758c06c7a903dd4cd82364ac91b27",
+    "TensorRT-LLM": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/models/modeling_dflash.py @ "
+                    "009d8fa431bd3de92245aab80f8b57dc70da1ac4",
+    "speculators": "speculators 0.9.0 (PyPI) speculators/convert/dflash/converter.py, speculators/models/dflash/",
+}
+
+
 @pytest.mark.parametrize("engine,table", [("SGLang", SGLANG), ("vLLM", VLLM), ("TensorRT-LLM", TRTLLM),
                                           ("speculators", SPECULATORS)])
 def test_each_engine_reads_configs_by_its_own_rules(engine, table):
+    import dflash.train.engines as engines
+
+    for commit in re.findall(r"[0-9a-f]{40}", SOURCES[engine]):  # the module names the same sources
+        assert commit in engines.__doc__, commit
     for case, config, (ids, block, mask, layers) in table:
         r = read(engine, json.loads(json.dumps(config)), 12)
         got = (r.target_layers, r.block_size, r.mask_token_id, r.layers)
-        assert got == (ids, block, mask, layers), (engine, case, got)
+        assert got == (ids, block, mask, layers), f"{engine} ({SOURCES[engine]}), {case}: got {got}"
 
 
 def test_sglang_default_spread_is_dflash_default_for_five_layers():
