@@ -122,7 +122,8 @@ def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None) -
     else:
         body = ["## SGLang", "", "```bash",
                 f"python -m sglang.launch_server --model-path {t} --speculative-algorithm DFLASH "
-                f"--speculative-draft-model-path DRAFTER --speculative-num-draft-tokens {cfg.block_size}", "```", "",
+                "--speculative-draft-model-path DRAFTER", "```", "",
+                f"(SGLang reads the block, {cfg.block_size}, the layer ids and the mask token from config.json.)", "",
                 "## vLLM", "", "```bash",
                 f"vllm serve {t} --speculative-config '{{\"method\": \"dflash\", \"model\": \"DRAFTER\", "
                 f"\"num_speculative_tokens\": {k}}}'", "```", "",
