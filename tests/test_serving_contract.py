@@ -252,3 +252,29 @@ def test_export_is_world_readable_with_a_readme_and_the_trained_record(tmp_path)
     assert CliRunner().invoke(cli_main, ["export", final, "--out", str(out)]).exit_code == 0
     r = CliRunner().invoke(cli_main, ["export", final, "--out", str(tmp_path / "final")])
     assert r.exit_code == 2 and "is not a dflash export" in r.output, r.output
+
+
+def test_bad_input_to_export_and_check_is_one_error_line(tmp_path):
+    final = drafter(tmp_path / "final")
+    (tmp_path / "file.txt").write_text("x")
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / "config.json").write_text('{"num_target_layers": 6')
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text('{"model_type": "qwen3", "num_hidden_layers": 2}')
+    cases = [
+        (["check", str(tmp_path / "missing")], "no such directory"),
+        (["check", str(tmp_path / "file.txt")], "is a file, not a directory"),
+        (["check", str(tmp_path / "garbled")], "config.json cannot be read as JSON"),
+        (["check", str(tmp_path / "model")], "is not a DFlash drafter"),
+        (["export", final], "--out is required"),
+        (["export", final, "--format", "gguf", "--out", str(tmp_path / "x")], "--format"),
+        (["export", final, "--out", str(tmp_path / "file.txt")], "--out"),
+        (["export", final, "--format", "speculators", "--out", str(tmp_path / "y")], "--target: speculators needs"),
+        (["export", final, "--format", "speculators", "--out", str(tmp_path / "y"), "--target",
+          str(tmp_path / "missing")], "--target"),
+    ]
+    for args, want in cases:
+        r = CliRunner().invoke(cli_main, args)
+        errors = [ln for ln in r.output.splitlines() if ln.startswith("error:")]
+        assert r.exit_code == 2 and len(errors) == 1 and want in errors[0], (args, r.output, r.exception)
+    assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
