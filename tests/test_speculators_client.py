@@ -20,7 +20,9 @@ own DFlash model class and converter. Here, on CPU in float32:
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 
 import pytest
 import torch
@@ -110,8 +112,12 @@ def assert_same_draft(d_logits, s_logits):
     assert torch.equal(d_logits.argmax(-1), s_logits.argmax(-1))
 
 
-def test_train_prints_the_serving_verdict(run):
+def test_train_prints_the_serving_verdict_and_writes_final_world_readable(run):
     assert "train: serving check: SGLang, vLLM, TensorRT-LLM, speculators read final/ as trained" in run["train_output"]
+    umask = os.umask(0)
+    os.umask(umask)
+    mode = stat.S_IMODE(os.stat(os.path.join(run["final"], "model.safetensors")).st_mode)
+    assert mode == 0o666 & ~umask, oct(mode)  # what open() makes, not safetensors' 0600
 
 
 def test_speculators_converter_loads_a_dflash_drafter_with_equal_logits(run, tmp_path):
