@@ -61,11 +61,12 @@ SGLANG = [  # python/sglang/srt/speculative/dflash_utils.py @ 00731f0bc9fa81c398
     ("sliding layer: causal with its window", z(**SLIDE), ([1, 5, 9], 16, 500, [CAUSAL_W8, BIDIR])),
 ]
 VLLM = [  # vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9,
-    #       vllm/v1/worker/gpu_model_runner.py @ 4e1790651fc758c06c7a903dd4cd82364ac91b27
+    #       vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424
     ("default", z(), ([1, 5, 9], None, 500, [BIDIR, BIDIR])),
     ("eagle ids are capture-before", z(eagle_aux_hidden_state_layer_ids=[2, 6, 10]), ([1, 5, 9], None, 500, [BIDIR, BIDIR])),
     ("eagle ids win over dflash_config", z(eagle_aux_hidden_state_layer_ids=[1, 5, 9]),
      ([0, 4, 8], None, 500, [BIDIR, BIDIR])),
+    ("top-level ids", z(dflash_config={"mask_token_id": 500}, target_layer_ids=[2, 4]), ([2, 4], None, 500, [BIDIR, BIDIR])),
     ("no ids: EAGLE-3's layers", z(dflash_config={"mask_token_id": 500}), ([1, 5, 8], None, 500, [BIDIR, BIDIR])),
     ("top-level mask id", z(dflash_config={"target_layer_ids": [1]}, mask_token_id=7), ([1], None, 7, [BIDIR, BIDIR])),
     ("sliding layer: causal by default", z(**SLIDE), ([1, 5, 9], None, 500, [CAUSAL_W8, BIDIR])),
@@ -101,7 +102,7 @@ SPECULATORS = [  # speculators 0.9.0: convert/dflash/converter.py, models/dflash
 SOURCES = {  # where each table's rules were read (train/engines.py says the same)
     "SGLang": "sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py @ 00731f0bc9fa81c39802754fb4b62e9cce967582",
     "vLLM": "vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9, "
-            "vllm/v1/worker/gpu_model_runner.py @ 4e1790651fc758c06c7a903dd4cd82364ac91b27",
+            "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424",
     "TensorRT-LLM": "NVIDIA/TensorRT-LLM tensorrt_llm/_torch/models/modeling_dflash.py @ "
                     "009d8fa431bd3de92245aab80f8b57dc70da1ac4",
     "speculators": "speculators 0.9.0 (PyPI) speculators/convert/dflash/converter.py, speculators/models/dflash/",

@@ -25,10 +25,11 @@ SGLang, python/sglang/srt/speculative/dflash_utils.py @ 00731f0bc9fa81c39802754f
     (default "<|MASK|>") looked up in the tokenizer. Layers: layer_types[i] == "sliding_attention" makes layer i
     causal within the block with `sliding_window`; every other layer is bidirectional over the whole context.
 vLLM, vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9 (layers, mask) and
-vllm/v1/worker/gpu_model_runner.py @ 4e1790651fc758c06c7a903dd4cd82364ac91b27 (target layers)
+vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424 (target layers)
     target layers: eagle_aux_hidden_state_layer_ids first, read as capture-before ids (id j is the input of layer
-    j, the output of layer j - 1), else dflash_config.target_layer_ids (+1 internally: the same layers), else
-    EAGLE-3's default capture points (2, N // 2, N - 3), with only a warning. block_size: the serving flag
+    j, the output of layer j - 1), else dflash_config.target_layer_ids (+1 internally: the same layers), else a
+    top-level target_layer_ids (+1 likewise), else the target model's EAGLE-3 default capture points (2, N // 2,
+    N - 3 for Qwen3 and Llama), with only a warning. block_size: the serving flag
     num_speculative_tokens (+1). mask: dflash_config.mask_token_id, else top-level mask_token_id. Layers: causal
     is the top-level is_causal, else dflash_config.causal, else "layer_types[i] is sliding_attention"; a layer
     slides when layer_types says so (dflash_config.use_swa with no sliding layer makes every layer slide), with
@@ -118,8 +119,10 @@ def read_vllm(config: dict, num_target_layers: int) -> Reading:
     if aux:
         ids = [int(j) - 1 for j in aux]  # capture-before: input of layer j = output of layer j - 1
         notes.append("eagle_aux_hidden_state_layer_ids read as capture-before ids")
-    elif dc.get("target_layer_ids") is not None:
+    elif dc.get("target_layer_ids"):
         ids = [int(i) for i in dc["target_layer_ids"]]
+    elif config.get("target_layer_ids"):
+        ids = [int(i) for i in config["target_layer_ids"]]
     else:
         N = num_target_layers
         ids = [j - 1 for j in (2, N // 2, N - 3)]
