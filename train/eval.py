@@ -21,6 +21,10 @@ The JSON report (--json; schema SCHEMA, the same keys on every run):
   schema, config, device, dtype, prompts, block_size, drafter_layers, draft_graph, target_attention,
   target_graph             true when the target's steps ran as CUDA graphs over a static KV cache (StaticTarget):
                            the speed-ups are then those of both models graph-captured, as serving engines run them
+  harness                  the settings that make one harness's tau comparable with another's (serving engines'
+                           benchmarks differ on them): decoding ("greedy"), temperature (0.0), block_size,
+                           max_new_tokens, stop_at_eos, chat_template_kwargs (as rendered; {} = the template's own
+                           defaults, e.g. thinking on or off), enable_thinking (that kwarg, or null when not given)
   target, dflash, ngram    one METHOD object each over all prompts (ngram when EvalConfig.ngram, the default;
                            target: the target alone, speedup 1 and identical = prompts by definition)
   tau_gain_over_ngram      dflash tau / n-gram tau (with ngram)
@@ -345,6 +349,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
         "target_attention": target.attention, "target_graph": isinstance(target, StaticTarget),
+        "harness": harness_settings(cfg, B),
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
     }
@@ -360,6 +365,14 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
         with open(cfg.json_out, "w") as f:
             json.dump(report, f, indent=2)
     return report
+
+
+def harness_settings(cfg: EvalConfig, block_size: int) -> dict[str, Any]:
+    """The report's `harness`: what a serving benchmark must match for its tau to compare with this one."""
+    kwargs = dict(cfg.chat_template_kwargs or {})
+    return {"decoding": "greedy", "temperature": 0.0, "block_size": block_size, "max_new_tokens": cfg.max_new_tokens,
+            "stop_at_eos": cfg.stop_at_eos, "chat_template_kwargs": kwargs,
+            "enable_thinking": kwargs.get("enable_thinking")}
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -382,6 +395,11 @@ def format_report(r: dict[str, Any]) -> str:
               if on]
     lines.append("speed-ups with " + (" and ".join(graphs) + " in CUDA graphs" if graphs else "both models eager")
                  + ("" if len(graphs) == 2 else " (serving engines run both in CUDA graphs)"))
+    h = r.get("harness")
+    if h:
+        lines.append(f"harness: {h['decoding']} (temperature {h['temperature']:g}), block {h['block_size']}, at most "
+                     f"{h['max_new_tokens']} new tokens{', stop at EOS' if h['stop_at_eos'] else ''}, chat template "
+                     f"kwargs {json.dumps(h['chat_template_kwargs']) if h['chat_template_kwargs'] else 'none (the template defaults)'}")
     diff = r["dflash"].get("differences")
     if diff and diff["differing"]:
         lines.append(f"dflash outputs differing from the target's: {diff['differing']} ({diff['near_tie']} near-tie "

@@ -518,6 +518,10 @@ def _run_train(cfg: TrainConfig) -> dict[str, Any]:
             v = out["val"]
             print0(f"train: held-out (--val-cache, {v['val_rows']} rows, step {v['step']}): loss {v['val_loss']:.4f}, "
                    f"decoding tau {v['val_tau_decode']:.2f}, expected tau {v['val_tau_expected']:.2f}")
+    if tr.dist.is_main and os.path.isdir(os.path.join(cfg.out, "final")):
+        from .contract import verdict_line  # how SGLang, vLLM, TensorRT-LLM and speculators read final/
+
+        print0(f"train: {verdict_line(os.path.join(cfg.out, 'final'))}")
     return out
 
 

@@ -24,6 +24,8 @@ Contract:
   in parallel and do nothing but file I/O and hashing. Streamed: memory is one piece per thread. A file shorter
   than its extent is an OSError naming it. `file_record(paths)` / `check_files(record, paths)` are the
   size + digest record of whole files and its check: what a later read trusts a file on.
+- `world_readable(path)` gives a file the mode a plain open() would under the process's umask (0644 under the
+  usual 022; a directory 0755): safetensors writes 0600, and a checkpoint served by another user must be readable.
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ def atomic_write(path: str, data: str | bytes, *, durable: bool = False) -> None
         if isinstance(e, OSError) and not isinstance(e, WriteError) and e.errno in NO_ROOM:
             raise WriteError(path, e) from e
         raise
+
+
+def world_readable(path: str, directory: bool = False) -> None:
+    """chmod `path` to 0666 (0777 for a directory) less the umask: what open() or mkdir() would have made."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(path, (0o777 if directory or os.path.isdir(path) else 0o666) & ~mask)
 
 
 def atomic_json(path: str, obj, *, durable: bool = False) -> None:

@@ -7,7 +7,9 @@ TargetError naming --target, the path and the file; decoder_layers finds a model
 LayerCapture hooks K of its layers so they write straight into one preallocated [..., K*H] buffer.
 Layer id i is the output of decoder layer i, i.e. HF's `hidden_states[i + 1]` (for the model's very last
 layer HF applies the final norm, and so do we). target_info and the fingerprints identify a target in a
-cache's metadata; convert_gguf dequantises a GGUF model once into a save_pretrained folder.
+cache's metadata; convert_gguf dequantises a GGUF model once into a save_pretrained folder whose config.json
+reads the same under transformers 4.x and 5.x (portable_rope: rope_theta at the top level as well as under
+rope_parameters; 4.x reads only the former and would take its default 10,000 for a 5.x-written config).
 """
 
 from __future__ import annotations
@@ -259,6 +261,24 @@ def _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_he
     return model.to(device).eval().requires_grad_(False)
 
 
+def portable_rope(d: dict[str, Any]) -> dict[str, Any]:
+    """A config dict whose RoPE reads the same under transformers 4.x (top-level rope_theta and rope_scaling) and
+    5.x (rope_parameters): the fields one layout lacks are filled from the other; nested text_config likewise."""
+    out = dict(d)
+    rope = out.get("rope_parameters")
+    if isinstance(rope, dict) and "rope_theta" in rope:
+        out.setdefault("rope_theta", rope["rope_theta"])
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        if scaling.get("rope_type", "default") != "default" and not out.get("rope_scaling"):
+            out["rope_scaling"] = scaling
+    elif "rope_theta" in out and not isinstance(rope, dict):
+        out["rope_parameters"] = {"rope_type": "default", **(out.get("rope_scaling") or {}),
+                                  "rope_theta": out["rope_theta"]}
+    if isinstance(out.get("text_config"), dict):
+        out["text_config"] = portable_rope(out["text_config"])
+    return out
+
+
 def convert_gguf(gguf_path: str, out_dir: str, dtype=torch.bfloat16) -> str:
     """Dequantize a GGUF model once into a plain `save_pretrained` folder (later loads take ~1 s)."""
     if os.path.exists(os.path.join(out_dir, "config.json")) and os.path.exists(os.path.join(out_dir, "tokenizer_config.json")):
@@ -269,6 +289,10 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype=torch.bfloat16) -> str:
         tok = load_tokenizer(gguf_path)
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
+    with open(os.path.join(tmp, "config.json")) as f:
+        config = portable_rope(json.load(f))
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)
     if os.path.exists(out_dir):
         import shutil
 

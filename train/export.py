@@ -1,0 +1,189 @@
+"""`dflash export`: a trained drafter (RUN/final) as a checkpoint each serving engine reads as it was trained.
+
+Two layouts:
+
+    zlab         the layout DFlash drafters are published in (SGLang, vLLM, TensorRT-LLM, the reference code, and
+                 speculators' DFlashConverter read it): final/'s Qwen3 config with every field an engine looks for
+                 written where it looks (block_size at the top level and in dflash_config; mask_token_id in
+                 dflash_config and at the top level; for sliding-window layers dflash_config.use_swa,
+                 swa_window_size and causal: false), rope_theta at the top level beside rope_parameters
+                 (transformers 4.x reads the former, 5.x the latter), and model.safetensors as trained.
+    speculators  speculators' own DFlash format (`DFlashDraftModel.from_pretrained` loads it; vLLM serves it):
+                 aux_hidden_state_layer_ids = dflash's ids + 1 (capture-before), transformer_layer_config, the
+                 block, the mask token, sliding_window_non_causal for sliding layers, and the verifier (the target
+                 the drafter was trained for, whose embedding and LM head speculators loads from it).
+
+Both add `dflash_trained` to config.json (the ids, their meaning, block, mask, attention kinds, and the chat
+template kwargs the cache was extracted with when the cache records them), a README.md naming the engine flags that
+serve it, and leave every file world-readable (the umask's mode: safetensors writes 0600). The export is written
+into OUT.tmp and renamed, so OUT is never half-written. `dflash check OUT` (train/contract.py) replays each engine's
+reading of the result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+from dflash.core.errors import DflashError
+from dflash.core.io import atomic_json, atomic_write, world_readable
+from dflash.train.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_drafter_config, servable_config
+from dflash.train.contract import Trained
+from dflash.train.engines import SLIDING
+from dflash.train.model import DrafterConfig
+
+FORMATS = ("zlab", "speculators")
+SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format is written (and whose code the tests run)
+
+
+class ExportError(DflashError, ValueError):
+    """An export that cannot be written as asked (one `error:` line naming the flag or file)."""
+
+
+def run_record(final: str) -> dict[str, Any]:
+    """What RUN/run.json and the cache it names record of the run final/ came from: target path, chat kwargs."""
+    out: dict[str, Any] = {}
+    try:
+        with open(os.path.join(os.path.dirname(os.path.abspath(final)), "run.json")) as f:
+            run = json.load(f)
+        cache = ((run.get("caches") or {}).get("cache") or {}).get("path")
+        with open(os.path.join(cache, "zarr.json")) as f:
+            info = (json.load(f).get("attributes") or {}).get("info") or {}
+    except (OSError, ValueError, TypeError, AttributeError):
+        return out
+    target = (info.get("target") or {}).get("name_or_path")
+    if target:
+        out["target"] = target
+    kwargs = info.get("chat_template_kwargs", (info.get("extraction") or {}).get("chat_template_kwargs"))
+    if isinstance(kwargs, dict):
+        out["chat_template_kwargs"] = kwargs
+    return out
+
+
+def zlab_config(cfg: DrafterConfig, trained: Trained, dtype: str) -> dict[str, Any]:
+    d = servable_config(cfg, dtype)
+    d["mask_token_id"] = cfg.mask_token_id
+    d["dflash_config"] = {**d["dflash_config"], "block_size": cfg.block_size}
+    if SLIDING in cfg.layer_types:  # what vLLM and TensorRT-LLM need to keep the window bidirectional in the block
+        d["dflash_config"].update(use_swa=True, swa_window_size=cfg.sliding_window, causal=False)
+    d["dflash_trained"] = trained.record(cfg.layer_types)
+    return d
+
+
+def speculators_config(cfg: DrafterConfig, trained: Trained, dtype: str, target: str, target_cfg) -> dict[str, Any]:
+    base = servable_config(cfg, dtype)
+    layer = {k: v for k, v in base.items()
+             if k not in ("architectures", "block_size", "num_target_layers", "dflash_config", "torch_dtype")}
+    aux = [i + 1 for i in cfg.target_layer_ids]  # capture-before ids: the input of layer i + 1
+    return {
+        "architectures": ["DFlashDraftModel"],
+        "speculators_model_type": "dflash",
+        "speculators_version": SPECULATORS_VERSION,
+        "transformer_layer_config": layer,
+        "draft_vocab_size": cfg.vocab_size,
+        "block_size": cfg.block_size,
+        "target_hidden_size": None,
+        "aux_hidden_state_layer_ids": aux,
+        "mask_token_id": cfg.mask_token_id,
+        "sliding_window_non_causal": SLIDING in cfg.layer_types,
+        "sample_from_anchor": False,
+        "tie_word_embeddings": False,
+        "dtype": dtype,
+        "speculators_config": {
+            "algorithm": "dflash", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": cfg.block_size - 1,
+                                  "accept_tolerance": 0.0, "verifier_accept_k": 1}],
+            "verifier": {"name_or_path": target, "architectures": list(getattr(target_cfg, "architectures", None)
+                                                                       or [])},
+        },
+        "dflash_trained": trained.record(cfg.layer_types),
+    }
+
+
+def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None) -> str:
+    t = target or "TARGET"
+    k = cfg.block_size - 1
+    thinking = (f"Serve and benchmark with the chat template kwargs it was trained with: "
+                f"`{json.dumps(trained.chat_template_kwargs)}`." if trained.chat_template_kwargs else
+                "The cache it was trained on records no chat template kwargs: serve with the template settings "
+                "(thinking on or off) the training data was rendered with.")
+    head = [f"# DFlash drafter ({fmt} layout), exported by dflash", "",
+            f"Target: `{t}` ({cfg.num_target_layers} layers). Reads the outputs of target layers "
+            f"{cfg.target_layer_ids} (HF `hidden_states[i + 1]`), drafts blocks of {cfg.block_size} with mask token "
+            f"{cfg.mask_token_id}; attention in the block is bidirectional"
+            + (f", sliding layers see {cfg.sliding_window} context positions" if SLIDING in cfg.layer_types else "")
+            + ".", "", thinking, "", "`dflash check .` replays how each engine reads this directory.", ""]
+    if fmt == "speculators":
+        body = ["## speculators / vLLM", "", "```bash",
+                f"vllm serve {t} --speculative-config '{{\"model\": \"DRAFTER\", \"num_speculative_tokens\": {k}}}'",
+                "```", "", "In Python: `speculators.models.dflash.DFlashDraftModel.from_pretrained(DRAFTER)`."]
+    else:
+        body = ["## SGLang", "", "```bash",
+                f"python -m sglang.launch_server --model-path {t} --speculative-algorithm DFLASH "
+                "--speculative-draft-model-path DRAFTER", "```", "",
+                f"(SGLang reads the block, {cfg.block_size}, the layer ids and the mask token from config.json.)", "",
+                "## vLLM", "", "```bash",
+                f"vllm serve {t} --speculative-config '{{\"method\": \"dflash\", \"model\": \"DRAFTER\", "
+                f"\"num_speculative_tokens\": {k}}}'", "```", "",
+                "## TensorRT-LLM", "", "```yaml", "speculative_config:", "  decoding_type: DFlash",
+                "  speculative_model_dir: DRAFTER", f"  max_draft_len: {k}", "```", "",
+                "## speculators", "", "```python", "from speculators.convert.dflash import DFlashConverter",
+                f"DFlashConverter().convert('DRAFTER', 'OUT', base_model='{t}')", "```"]
+    if SLIDING in cfg.layer_types:
+        body += ["", "Sliding-window layers are trained bidirectional within the block: SGLang makes them causal "
+                 "(`dflash check` names it)."]
+    return "\n".join(head + body) + "\n"
+
+
+def export(final: str, fmt: str, out: str, target: str | None = None, chat_template_kwargs: dict | None = None) -> str:
+    """Write the export of the drafter at `final` into `out` (replaced whole when it is a dflash export)."""
+    if fmt not in FORMATS:
+        raise ExportError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
+    cfg = read_drafter_config(final)
+    weights = os.path.join(final, WEIGHTS_NAME)
+    if not os.path.exists(weights):
+        raise ExportError(f"{final} is not a complete drafter checkpoint: {WEIGHTS_NAME} is missing")
+    record = run_record(final)
+    target = target or record.get("target")
+    kwargs = chat_template_kwargs if chat_template_kwargs is not None else record.get("chat_template_kwargs")
+    trained = Trained.of(cfg, kwargs)
+    with open(os.path.join(final, CONFIG_NAME)) as f:
+        dtype = json.load(f).get("dtype", "bfloat16")
+    if fmt == "speculators":
+        if not target:
+            raise ExportError("--target: speculators needs the target the drafter was trained for (its embedding "
+                              f"and LM head); {final} does not record one")
+        from dflash.core.target import load_config, text_config
+
+        target_cfg = load_config(target)
+        if text_config(target_cfg).num_hidden_layers != cfg.num_target_layers:
+            raise ExportError(f"--target {target} has {text_config(target_cfg).num_hidden_layers} layers; {final} "
+                              f"was trained for a target of {cfg.num_target_layers}")
+        config = speculators_config(cfg, trained, dtype, os.path.abspath(target) if os.path.exists(target) else
+                                    target, target_cfg)
+    else:
+        config = zlab_config(cfg, trained, dtype)
+    if os.path.exists(out) and not (os.path.isdir(out) and _is_export(out)):
+        raise ExportError(f"--out {out} exists and is not a dflash export: choose a new directory")
+    tmp = out.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    atomic_json(os.path.join(tmp, CONFIG_NAME), config)
+    shutil.copyfile(weights, os.path.join(tmp, WEIGHTS_NAME))
+    atomic_write(os.path.join(tmp, "README.md"), readme(fmt, cfg, trained, target))
+    for name in os.listdir(tmp):
+        world_readable(os.path.join(tmp, name))
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    world_readable(out, directory=True)
+    return out
+
+
+def _is_export(path: str) -> bool:
+    try:
+        with open(os.path.join(path, CONFIG_NAME)) as f:
+            return "dflash_trained" in json.load(f)
+    except (OSError, ValueError):
+        return not os.listdir(path)  # an empty directory may be written into
