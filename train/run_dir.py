@@ -83,6 +83,10 @@ def check_out_path(cfg: TrainConfig) -> None:
         if os.path.lexists(os.path.join(cfg.out, name)) and not os.path.isdir(os.path.join(cfg.out, name)):
             raise TrainError(f"--out {cfg.out}: {name} is not a directory (a damaged run directory); choose another "
                              "--out, or delete it to start over")
+    for name in ("run.json", "metrics.jsonl", "summary.json"):  # files dflash writes: a directory there is not its own
+        if os.path.isdir(os.path.join(cfg.out, name)):
+            raise TrainError(f"--out {cfg.out}: {name} is a directory, not the file dflash train writes (a damaged run "
+                             "directory); move it away, or choose another --out")
     entries = [n for n in os.listdir(cfg.out) if not n.startswith(LOCK_NAME)]
     if entries and _run_marker(cfg.out) is None and set(entries) <= set(RUN_ENTRIES):
         state = "damaged (not a dflash train record)" if RUN_MARKER in entries else "missing"
@@ -199,15 +203,34 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 DAMAGED = "damaged-"  # prefix of a damaged checkpoint moved aside (kept for inspection, never deleted)
 
 
+def read_latest(ck: str) -> tuple[str | None, str | None]:
+    """(the step directory name CK/latest holds, None) or (None, what is wrong with it): missing, empty, not UTF-8,
+    not a step directory's name, or not a file. A damaged pointer is never an error: the newest intact checkpoint
+    is found without it."""
+    p = os.path.join(ck, "latest")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(256)
+    except FileNotFoundError:
+        return None, "checkpoints/latest is missing"
+    except OSError as e:
+        return None, f"checkpoints/latest cannot be read ({e.strerror or e})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, "checkpoints/latest is damaged (not UTF-8 text)"
+    if not STEP_DIR.match(name):
+        return None, f"checkpoints/latest is damaged ({'empty' if not name else f'{name[:40]!r} names no step'})"
+    return name, None
+
+
 def latest_checkpoint(out: str) -> str | None:
     """The checkpoint `latest` names, if its trainer.json exists (no check of its bytes: resume_checkpoint)."""
-    p = os.path.join(out, "checkpoints", "latest")
-    if not os.path.exists(p):
+    name, _ = read_latest(os.path.join(out, "checkpoints"))
+    if name is None:
         return None
-    with open(p) as f:
-        name = f.read().strip()
     full = os.path.join(out, "checkpoints", name)
-    return full if name and os.path.exists(os.path.join(full, "trainer.json")) else None
+    return full if os.path.exists(os.path.join(full, "trainer.json")) else None
 
 
 def checkpoint_problem(ck: str) -> str | None:
@@ -257,11 +280,7 @@ def resume_checkpoint(out: str) -> str | None:
         return None
     steps = sorted((d for d in os.listdir(ck) if STEP_DIR.match(d) and os.path.isdir(os.path.join(ck, d))),
                    key=lambda d: int(STEP_DIR.match(d).group(1)), reverse=True)
-    try:
-        with open(os.path.join(ck, "latest")) as f:
-            named = f.read().strip() or None
-    except OSError:
-        named = None
+    named, pointer_problem = read_latest(ck)
     if not steps:
         if named:
             print0(f"train: note: {ck}/latest names {named}, which is missing, and no other checkpoint exists: "
@@ -287,11 +306,13 @@ def resume_checkpoint(out: str) -> str | None:
         print0(f"train: note: {what}: kept aside as {', '.join(DAMAGED + d for d, _ in damaged)}; resuming from "
                f"{chosen}, the newest intact checkpoint")
     elif named != chosen:
-        why = ("checkpoints/latest is missing" if named is None
+        why = (pointer_problem if named is None
                else f"checkpoints/latest names {named}, which is missing" if not os.path.isdir(os.path.join(ck, named))
                else f"checkpoints/latest names {named}, but a newer one is intact (the run stopped before updating it)")
         print0(f"train: note: {why}; resuming from {chosen}, the newest intact checkpoint")
     if named != chosen:
+        if os.path.isdir(os.path.join(ck, "latest")) and not os.path.islink(os.path.join(ck, "latest")):
+            os.replace(os.path.join(ck, "latest"), os.path.join(ck, DAMAGED + "latest"))  # kept, never deleted
         atomic_write(os.path.join(ck, "latest"), chosen)
     return os.path.join(ck, chosen)
 
