@@ -27,7 +27,15 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
     relaunch_with_gpus,
 )
 from dflash.core.config import build, parse_int_list, parse_kv
-from dflash.core.paths import check_cache_path, check_output_dir, in_path_forms, path_form, path_forms
+from dflash.core.paths import (
+    check_cache_path,
+    check_apart,
+    check_output_dir,
+    check_run_apart_from_cache,
+    in_path_forms,
+    path_form,
+    path_forms,
+)
 from dflash.demo import CPU_SIZES, DemoConfig, run_demo
 from dflash_cache.lock import OutputLock
 
@@ -322,6 +330,8 @@ def pipeline(**kw):
     kw = path_forms(kw, {"cache": "write"})
     check_paths(json=kw["json_out"], out=kw["out"], target=kw["target"], data=kw["data"])
     check_output_dir(kw["cache"], "cache")
+    check_apart(kw["cache"], "cache", data=kw["data"], target=kw["target"])
+    check_run_apart_from_cache(kw["out"], kw["cache"])  # before either job starts, not when train's own check runs
     from dflash.pipeline import PipelineConfig, run_pipeline
 
     sys.exit(run_pipeline(PipelineConfig(**kw)))

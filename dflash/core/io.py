@@ -12,6 +12,10 @@ Contract:
   skipped on their word). Records that are cheap to redo or that only describe a run (run.json,
   summary.json, metrics.jsonl, demo data, the checkpoint `latest` pointer, whose checkpoint files are
   not fsynced either) skip the fsync.
+- `shared_mode(path)` gives a file (or directory) that a library created private (safetensors' save_file and
+  tempfile.mkdtemp create 0600 / 0700) the mode this process's umask gives a new file or directory (0644 / 0755 under
+  the usual 022): what dflash writes for others to read (a drafter served by another user, a shared tokenise cache)
+  is readable as the user's umask says. atomic_write's files are opened with open(), which already applies it.
 - `short_hash(payload, chars=16)` is the first `chars` hex digits of sha256 over bytes, a str (as
   UTF-8), or an iterable of bytes chunks hashed in order (no join in memory). Every fingerprint dflash
   records that is "sha256 of one payload" goes through it (16 digits; the tokenisation cache key uses 24,
@@ -82,6 +86,18 @@ def atomic_write(path: str, data: str | bytes, *, durable: bool = False) -> None
         if isinstance(e, OSError) and not isinstance(e, WriteError) and e.errno in NO_ROOM:
             raise WriteError(path, e) from e
         raise
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    os.umask(mask)
+    return mask
+
+
+def shared_mode(path: str) -> None:
+    """Set path's mode to what the umask gives a new file (0o666 & ~umask) or directory (0o777 & ~umask)."""
+    full = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, full & ~_umask())
 
 
 def atomic_json(path: str, obj, *, durable: bool = False) -> None:

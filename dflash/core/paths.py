@@ -240,12 +240,30 @@ class output_lock:
                     pass
 
 
-def check_apart(out: str, **inputs: str | None) -> None:
-    """No input (--data, --target, --cache) may be --out or lie inside it: writing, resuming or --overwrite
-    there would change or delete what the command reads."""
+def check_apart(out: str, out_flag: str = "out", **inputs: str | None) -> None:
+    """No input (--data, --target, --cache) may be --out or lie inside it: writing, resuming or --overwrite there
+    would change or delete what the command reads. Nor may --out lie inside an input directory: the output's own
+    files would be read as input by every later run (a cache or regenerated parts inside --data)."""
     if not out or is_url(out):
         return
     for name, path in inputs.items():
-        if path and not is_url(path) and os.path.exists(path) and inside(path, out):
-            raise ConfigError(f"--out {out} {'is' if real(path) == real(out) else 'contains'} {flag(name)} {path}; "
-                              "an output must be apart from what the command reads: choose another --out")
+        if not path or is_url(path) or not os.path.exists(path):
+            continue
+        if inside(path, out):
+            raise ConfigError(f"{flag(out_flag)} {out} {'is' if real(path) == real(out) else 'contains'} {flag(name)} "
+                              f"{path}; an output must be apart from what the command reads: choose another "
+                              f"{flag(out_flag)}")
+        if os.path.isdir(path) and inside(out, path):
+            raise ConfigError(f"{flag(out_flag)} {out} lies inside {flag(name)} {path}; its files would be read as "
+                              f"{flag(name)} by every later run: choose a {flag(out_flag)} outside it")
+
+
+def check_run_apart_from_cache(out: str, cache: str) -> None:
+    """A run directory (--out) is never its cache, inside it, nor holding it (train refuses it too, but `dflash
+    pipeline` must refuse it before its extraction starts); neither needs to exist yet."""
+    if not out or not cache or is_url(cache):
+        return
+    if inside(cache, out) or inside(out, cache):
+        how = "is" if real(cache) == real(out) else "contains" if inside(cache, out) else "lies inside"
+        raise ConfigError(f"--out {out} {how} --cache {cache}; a run directory must be apart from its cache: choose "
+                          "another --out")
