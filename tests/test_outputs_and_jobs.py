@@ -6,6 +6,8 @@
 - kill -9 of `dflash pipeline` ends both of its jobs (a parent-death signal), and a rerun takes their locks over and
   resumes the training from its checkpoint (real processes);
 - train --follow-timeout also bounds the wait for a cache that never appears (it was a fixed 120 s);
+- a run resumes from its cache moved to another path (the identity recorded in run.json is the same), and another
+  cache there is refused saying why and how to go on;
 - what dflash writes for others to read (the drafter's model.safetensors and config, checkpoints, a tokenise-cache
   entry) has the mode the umask gives, not 0600 / 0700.
 """
@@ -199,3 +201,26 @@ def test_files_for_others_have_the_umask_mode(world, tmp_path, umask, monkeypatc
         assert stat.S_IMODE(f.stat().st_mode) == want_file, (f, oct(f.stat().st_mode))
     for d in [*(tmp_path / "tok").iterdir(), tmp_path / "run" / "final"]:
         assert stat.S_IMODE(d.stat().st_mode) == want_dir, (d, oct(d.stat().st_mode))
+
+
+# ------------------------------------------------------------------------------------------------ a moved cache
+
+
+def test_a_moved_cache_resumes_and_another_one_is_refused_saying_how(world, tmp_path):
+    """Before: a cache moved to another path could not be resumed from without --overwrite, and the refusal said only
+    that the setting 'cache' changed."""
+    cache, other = tmp_path / "cache", tmp_path / "other"
+    ok(*command("extract", world, tmp_path, out=cache))
+    run = tmp_path / "run"
+    ok(*command("train", world, tmp_path, cache=cache, out=run, **{"max-steps": 2, "save-every": 1}))
+    moved = tmp_path / "moved" / "cache"
+    moved.parent.mkdir()
+    os.rename(cache, moved)
+    out = ok(*command("train", world, tmp_path, cache=moved, out=run, **{"max-steps": 3, "save-every": 1}))
+    assert f"--cache {moved} is not the path" in out and "holds the same cache" in out, out[-3000:]
+    assert "resumed from" in out, out[-3000:]
+    rows = chat_rows(12, seed=4)  # other conversations: another cache
+    ok(*command("extract", world, tmp_path, out=other, data=write_jsonl(tmp_path / "other.jsonl", rows)))
+    error_line(*cli(*command("train", world, tmp_path, cache=other, out=run, **{"max-steps": 4})),
+               f"trained on the cache at {moved}", "is another one", "field 'info.data_fingerprint'",
+               f"give --cache {moved}", "--overwrite")

@@ -133,6 +133,33 @@ def _cache_record(caches: dict[str, dict | None] | None, cfg: TrainConfig) -> di
             for flag, meta in caches.items() if meta is not None and flag in paths}
 
 
+def _identity_diffs(a: dict, b: dict) -> list[str]:
+    """The identity fields (cache_identity) in which a and b differ, IDENTITY_FIRST first."""
+    keys = [k for k in IDENTITY_FIRST if k in a or k in b] + sorted(set(a) | set(b) - set(IDENTITY_FIRST))
+    return [k for k in keys if a.get(k) != b.get(k)]
+
+
+def _moved_cache(old_doc: dict, resolved: dict[str, Any], record: dict[str, dict], out: str) -> str | None:
+    """When --cache is not the path RUN was trained on: None if the cache there now has the identity recorded for
+    the one it was trained on (the same cache, moved or copied: a note says so), else why it cannot be resumed and
+    how to go on."""
+    was_path, now_path = (old_doc.get("config") or {}).get("cache"), resolved.get("cache")
+    was = (old_doc.get("caches") or {}).get("cache") if isinstance(old_doc.get("caches"), dict) else None
+    now = record.get("cache")
+    if isinstance(was, dict) and isinstance(was.get("identity"), dict) and now is not None:
+        diffs = _identity_diffs(was["identity"], now["identity"])
+        if not diffs:
+            print0(f"train: note: --cache {now_path} is not the path {out} was trained on ({was_path}), but it holds "
+                   "the same cache (every identity field equal): resuming")
+            return None
+        why = (f"the cache at --cache {now_path} is another one (field '{diffs[0]}' was {was['identity'].get(diffs[0])!r}, "
+               f"now {now['identity'].get(diffs[0])!r})")
+    else:
+        why = f"{out}/run.json records no identity of that cache to check --cache {now_path} against (an older dflash)"
+    return (f"{out} was trained on the cache at {was_path}, and {why}: resuming would mix two datasets in one run; "
+            f"give --cache {was_path} (move the cache back), another --out, or --overwrite to start over")
+
+
 def _cache_problem(old_doc: dict, record: dict[str, dict], out: str) -> str | None:
     """Why this run's caches are not the ones RUN was trained on (None when they are, or cannot be told)."""
     old = old_doc.get("caches")
@@ -143,8 +170,7 @@ def _cache_problem(old_doc: dict, record: dict[str, dict], out: str) -> str | No
         if not isinstance(was, dict) or now is None or was.get("path") != now["path"]:
             continue  # not recorded, not used now, or (--val-cache) another held-out set chosen on purpose
         a, b = was.get("identity") or {}, now["identity"]
-        keys = [k for k in IDENTITY_FIRST if k in a or k in b] + sorted(set(a) | set(b) - set(IDENTITY_FIRST))
-        diffs = [k for k in keys if a.get(k) != b.get(k)]
+        diffs = _identity_diffs(a, b)
         if diffs:
             k = diffs[0]
             more = f" (also different: {', '.join(diffs[1:4])}{', ...' if len(diffs) > 4 else ''})" if diffs[1:] else ""
@@ -168,7 +194,10 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
         old = old_doc.get("config", {})
         problem = next((f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
                         f"{resolved.get(k)!r}; use another --out, or --overwrite to start over"
-                        for k in IDENTITY if json.dumps(old.get(k)) != json.dumps(resolved.get(k))), None)
+                        for k in IDENTITY if k != "cache" and json.dumps(old.get(k)) != json.dumps(resolved.get(k))),
+                       None)
+        if not problem and json.dumps(old.get("cache")) != json.dumps(resolved.get("cache")):
+            problem = _moved_cache(old_doc, resolved, record, cfg.out)
         problem = problem or _cache_problem(old_doc, record, cfg.out)
         if problem and cfg.overwrite:
             _remove_run(cfg.out)
