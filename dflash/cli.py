@@ -28,8 +28,8 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
 )
 from dflash.core.config import build, parse_int_list, parse_kv
 from dflash.core.paths import (
-    check_cache_path,
     check_apart,
+    check_cache_path,
     check_output_dir,
     check_run_apart_from_cache,
     in_path_forms,

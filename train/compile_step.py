@@ -33,8 +33,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import logging
+import os
 import platform
 import shutil
 from typing import Any, Callable

@@ -89,7 +89,16 @@ def atomic_write(path: str, data: str | bytes, *, durable: bool = False) -> None
 
 
 def _umask() -> int:
-    mask = os.umask(0o022)  # reading the umask means setting it: put it straight back
+    """This process's umask: read from /proc on Linux (setting it to read it would race with threads that create
+    files), else set and put straight back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
     return mask
 

@@ -6,8 +6,9 @@ parent directory that does not exist, must fail in the first second, not at the 
 
 The forms a path flag takes (path_form, applied by every command to every path flag before anything else): a plain
 path; a `file://` URL, which is the local path it names (`file:///abs/run` is /abs/run, for every flag); and, only
-for the flags of a cache (URL_FLAGS: extract --out, train --cache and --val-cache, pipeline --cache, `cache info`
-and `cache verify` PATH), another fsspec URL whose protocol fsspec knows and can open here. A cache written to a
+for the flags of a cache (extract --out, train --cache and --val-cache, pipeline --cache, `cache info` and `cache
+verify` PATH: each command names them to path_forms), another fsspec URL whose protocol fsspec knows and can open
+here. A cache written to a
 store that lives only in this process's memory (EPHEMERAL: `memory://`) is refused: it would be gone when the
 command exits. Any other form is a ConfigError naming the flag.
 
@@ -254,7 +255,7 @@ def check_apart(out: str, out_flag: str = "out", **inputs: str | None) -> None:
                               f"{path}; an output must be apart from what the command reads: choose another "
                               f"{flag(out_flag)}")
         if os.path.isdir(path) and inside(out, path):
-            raise ConfigError(f"{flag(out_flag)} {out} lies inside {flag(name)} {path}; its files would be read as "
+            raise ConfigError(f"{flag(out_flag)} {out} lies inside {flag(name)} {path}; its files would be read with "
                               f"{flag(name)} by every later run: choose a {flag(out_flag)} outside it")
 
 
