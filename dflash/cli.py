@@ -247,7 +247,7 @@ def extract(preset, gpus, json_out, no_progress, **flags):
         "shards the next batch needs, stop with an error if the extraction dies; the schedule is over the cache's "
         "final size. Equals a run over the finished cache.")
 @option("--follow-timeout", type=float, help="With --follow: give up when the extraction commits nothing for this "
-        "many seconds.")
+        "many seconds, or when no extraction has taken the cache's lock for this many (at most 120).")
 @option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss, "
         "decoding tau (greedy speculative decoding simulated along each held-out answer, what `dflash eval` measures "
         "on answers the target wrote) and expected tau at every checkpoint and at the end, in metrics.jsonl and "
