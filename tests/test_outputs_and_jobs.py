@@ -7,7 +7,7 @@
   resumes the training from its checkpoint (real processes);
 - train --follow-timeout also bounds the wait for a cache that never appears (it was a fixed 120 s);
 - a run resumes from its cache moved to another path (the identity recorded in run.json is the same), and another
-  cache there is refused saying why and how to go on;
+  cache there is refused saying why and how to go on; extract resumes with its data and target moved (same content);
 - what dflash writes for others to read (the drafter's model.safetensors and config, checkpoints, a tokenise-cache
   entry) has the mode the umask gives, not 0600 / 0700.
 """
@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -224,3 +225,22 @@ def test_a_moved_cache_resumes_and_another_one_is_refused_saying_how(world, tmp_
     error_line(*cli(*command("train", world, tmp_path, cache=other, out=run, **{"max-steps": 4})),
                f"trained on the cache at {moved}", "is another one", "field 'info.data_fingerprint'",
                f"give --cache {moved}", "--overwrite")
+
+
+def test_extract_resumes_with_its_data_and_target_moved(world, tmp_path):
+    """Data and target are known by their content: the same files at other paths resume the cache (a note says so) to
+    the bytes of an uninterrupted run. Before: refused on field 'info.data.path' unless --overwrite."""
+    from tests.test_trust import assert_same_but_volatile
+
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    ok(*command("extract", world, tmp_path, out=whole))
+    shutil.copytree(whole, resumed)
+    shutil.rmtree(resumed / "shards" / "000001")
+    data, target = tmp_path / "moved" / "chat.jsonl", tmp_path / "moved" / "target"
+    data.parent.mkdir()
+    shutil.copy(world["data"], data)
+    shutil.copytree(world["target"], target)
+    out = ok(*command("extract", world, tmp_path, out=resumed, data=data, target=target))
+    assert f"--data {data} (recorded: {world['data']})" in out and f"--target {target}" in out, out[-3000:]
+    assert "1 of this rank's 2 shards already committed" in out, out[-3000:]
+    assert_same_but_volatile(whole, resumed)
