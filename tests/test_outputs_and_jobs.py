@@ -7,7 +7,8 @@
   resumes the training from its checkpoint (real processes);
 - train --follow-timeout also bounds the wait for a cache that never appears (it was a fixed 120 s);
 - a run resumes from its cache moved to another path (the identity recorded in run.json is the same), and another
-  cache there is refused saying why and how to go on; extract resumes with its data and target moved (same content);
+  cache there is refused saying why and how to go on; extract resumes with its data and target moved,
+  regenerate with its data moved (the same content);
 - what dflash writes for others to read (the drafter's model.safetensors and config, checkpoints, a tokenise-cache
   entry) has the mode the umask gives, not 0600 / 0700.
 """
@@ -244,3 +245,21 @@ def test_extract_resumes_with_its_data_and_target_moved(world, tmp_path):
     assert f"--data {data} (recorded: {world['data']})" in out and f"--target {target}" in out, out[-3000:]
     assert "1 of this rank's 2 shards already committed" in out, out[-3000:]
     assert_same_but_volatile(whole, resumed)
+
+
+def test_regenerate_resumes_with_its_data_moved(world, tmp_path):
+    """Before: refused on data='...' (the path) although the record's content fingerprint of the data was the same."""
+    whole, resumed = tmp_path / "whole", tmp_path / "resumed"
+    argv = ["regenerate", "--target", world["target"], "--max-samples", 4, "--part-size", 2, "--max-new-tokens", 4,
+            "--no-progress"]
+    ok(*argv, "--data", world["data"], "--out", whole)
+    shutil.copytree(whole, resumed)
+    for name in ("part-00001.jsonl", ".part-00001.stats.json"):
+        (resumed / "data" / name).unlink()
+    data = tmp_path / "moved" / "chat.jsonl"
+    data.parent.mkdir()
+    shutil.copy(world["data"], data)
+    out = ok(*argv, "--data", data, "--out", resumed)
+    assert f"--data {data} is not the path" in out and "content is the same" in out, out[-3000:]
+    for name in ("part-00000.jsonl", "part-00001.jsonl"):
+        assert (resumed / "data" / name).read_bytes() == (whole / "data" / name).read_bytes()
