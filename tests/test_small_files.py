@@ -1,10 +1,11 @@
 """Every small file dflash writes and later reads (records, pointers, manifests, locks, JSON summaries), damaged
 each way a file is damaged: empty, cut short, the wrong JSON type, not UTF-8, a directory in its place.
 
-The rule (README, Guarantees): a damaged file is never a traceback. What can be rebuilt or passed over is, with a
-note naming it (a summary, a pointer, a compile record, a lock, a tokenise-cache entry); what vouches for work that
-cannot be redone without the user's word (run.json, regenerate's record and counts) is one `error:` line naming
-the file. The table (SMALL_FILES) gives, per file, the command that reads it again and what it must end as.
+The rule (README, Guarantees): a damaged file is never a traceback. What can be rebuilt or passed over is (a summary
+rewritten, a tokenise-cache entry rebuilt; a pointer, a compile record and a lock passed over with a note naming
+them; a shard's commit record: the shard counts as not committed); what vouches for work that cannot be redone
+without the user's word (run.json, regenerate's record and counts, a cache's root) is one `error:` line naming the
+file, and so is a directory where dflash keeps a file (not its own: never removed). The table (SMALL_FILES) gives, per file, the command that reads it again and what it must end as.
 
 Also here: a compile record set aside (not a traceback at every rerun), a compile payload torch cannot read
 reported as ignored (not "loaded"), a lock record described as what it is, and a jsonl with an invalid UTF-8 byte
@@ -14,7 +15,6 @@ named by file and line in `extract` and `regenerate`.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
