@@ -27,7 +27,15 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
     relaunch_with_gpus,
 )
 from dflash.core.config import build, parse_int_list, parse_kv
-from dflash.core.paths import check_cache_path, check_output_dir
+from dflash.core.paths import (
+    check_apart,
+    check_cache_path,
+    check_output_dir,
+    check_run_apart_from_cache,
+    in_path_forms,
+    path_form,
+    path_forms,
+)
 from dflash.demo import CPU_SIZES, DemoConfig, run_demo
 from dflash_cache.lock import OutputLock
 
@@ -70,6 +78,7 @@ def _human(n: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print everything as one JSON object.")
 def cache_info(path, as_json):
     """Rows, tokens, padding, bytes on disk and metadata of the cache at PATH."""
+    path = path_form(path, "PATH", url="read")
     rep = dflash_cache.info(path)
     if as_json:
         click.echo(json.dumps(rep, indent=2))
@@ -114,6 +123,8 @@ def cache_verify(path, threads, repair):
     from tqdm import tqdm
 
     from dflash_cache.inspect import repair as repair_cache
+
+    path = path_form(path, "PATH", url="read")
 
     with tqdm(desc="verify", unit="shard", disable=None) as bar:
         def start(n):
@@ -197,7 +208,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
         flags["progress"] = False
     flags["layers"] = parse_int_list(flags["layers"], "layers")
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
-    cfg = build(ExtractConfig, preset, "extract", flags)  # before --gpus: a bad setting fails once, not in every rank
+    cfg = in_path_forms(build(ExtractConfig, preset, "extract", flags), {"out": "write"})  # before --gpus: fails once
+    json_out = path_form(json_out, "json")
     check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, data=cfg.data, target=cfg.target)
     check_tokenize_cache(cfg.tokenize_cache)
     check_target(cfg.target)
@@ -235,7 +247,7 @@ def extract(preset, gpus, json_out, no_progress, **flags):
         "shards the next batch needs, stop with an error if the extraction dies; the schedule is over the cache's "
         "final size. Equals a run over the finished cache.")
 @option("--follow-timeout", type=float, help="With --follow: give up when the extraction commits nothing for this "
-        "many seconds.")
+        "many seconds, or when no extraction has taken the cache's lock for this many (at most 120).")
 @option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss, "
         "decoding tau (greedy speculative decoding simulated along each held-out answer, what `dflash eval` measures "
         "on answers the target wrote) and expected tau at every checkpoint and at the end, in metrics.jsonl and "
@@ -282,7 +294,7 @@ def train(preset, gpus, no_progress, **flags):
 
     if no_progress:
         flags["progress"] = False
-    cfg = build(TrainConfig, preset, "train", flags)  # before --gpus: a bad setting fails once, not in every rank
+    cfg = in_path_forms(build(TrainConfig, preset, "train", flags), {"cache": "read", "val_cache": "read"})  # fails once
     check_paths(out=cfg.out, read={"target": cfg.target})
     if not cfg.follow:  # --follow: the cache may not exist yet
         check_cache_path(cfg.cache, "cache")
@@ -315,10 +327,11 @@ def pipeline(**kw):
     cache. Output is forwarded behind [extract] / [train]; both rates are reported. Rerun to resume.
     On one GPU both share it (each slower than alone; see dflash/pipeline.py for what that costs).
     """
-    from dflash.core.paths import check_output_dir
-
+    kw = path_forms(kw, {"cache": "write"})
     check_paths(json=kw["json_out"], out=kw["out"], target=kw["target"], data=kw["data"])
     check_output_dir(kw["cache"], "cache")
+    check_apart(kw["cache"], "cache", data=kw["data"], target=kw["target"])
+    check_run_apart_from_cache(kw["out"], kw["cache"])  # before either job starts, not when train's own check runs
     from dflash.pipeline import PipelineConfig, run_pipeline
 
     sys.exit(run_pipeline(PipelineConfig(**kw)))
@@ -360,7 +373,7 @@ def eval_cmd(preset, no_progress, **flags):
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
         flags["progress"] = False
-    cfg = build(EvalConfig, preset, "eval", flags)
+    cfg = in_path_forms(build(EvalConfig, preset, "eval", flags))
     check_paths(json=cfg.json_out, plot=cfg.plot, read={"target": cfg.target, "drafter": cfg.drafter, "data": cfg.data})
     check_target(cfg.target)
     click.echo(format_report(run_eval(cfg)))
@@ -421,7 +434,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
         flags["progress"] = False
-    cfg = build(RegenerateConfig, preset, "regenerate", flags)  # before --gpus: a bad setting fails once
+    cfg = in_path_forms(build(RegenerateConfig, preset, "regenerate", flags))  # before --gpus: fails once
+    json_out = path_form(json_out, "json")
     check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, data=cfg.data, target=cfg.target)
     check_target(cfg.target)
     relaunch_with_gpus(gpus, "regenerate")
@@ -473,7 +487,8 @@ def prompts(preset, json_out, no_progress, **flags):
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
         flags["progress"] = False
-    cfg = build(PromptsConfig, preset, "prompts", flags)
+    cfg = in_path_forms(build(PromptsConfig, preset, "prompts", flags))
+    json_out = path_form(json_out, "json")
     check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, target=cfg.target)
     check_target(cfg.target)
     record = run_prompts(cfg)
@@ -561,6 +576,7 @@ def demo(no_progress, **kw):
     out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 on one
     H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
     """
+    kw = path_forms(kw)
     check_output_dir(kw.get("workdir"), "workdir")
     if kw.get("device") not in (None, "auto"):  # before minutes of preparation, not at the first stage that uses it
         from dflash.core.dist import parse_device

@@ -14,7 +14,9 @@ writes both summaries and the wall clock.
 
 Rerunning the same command resumes both (extract skips committed shards, train resumes from its last checkpoint).
 When one of them fails the pipeline stops the other (SIGTERM; a kill of either resumes exactly) and exits with the
-failure's code.
+failure's code. The jobs end with the pipeline: on Linux each is started with a parent-death signal (prctl
+PR_SET_PDEATHSIG, SIGTERM), so a pipeline killed even by kill -9 leaves no job running as an orphan (a torchrun job's
+agent passes the SIGTERM to its workers), and a rerun takes their locks over and resumes.
 
 One GPU for both (--extract-gpus 0 --train-gpus 0): the two processes share the device. The GPU time-slices
 between their kernels, so each is slower than alone and the GPU work adds up; what the pipeline saves on one GPU is
@@ -97,6 +99,27 @@ def commands(cfg: PipelineConfig, summary_json: str) -> dict[str, tuple[list[str
     return out
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def end_with_parent():
+    """A Popen preexec_fn that makes the child get SIGTERM when this process dies (however it dies), or None where
+    the platform has no parent-death signal. libc is resolved here, in the parent: the child only makes the call."""
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
+
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    parent = os.getpid()
+
+    def in_child() -> None:
+        prctl(PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the pipeline died before the signal was set: end now
+            os._exit(1)
+
+    return in_child
+
+
 def forward_lines(name: str, stream, lock: threading.Lock) -> None:
     """Copy a job's output to ours, each line behind `[name] ` (a thread that only moves bytes)."""
     for line in iter(stream.readline, ""):
@@ -167,7 +190,8 @@ def run_pipeline(cfg: PipelineConfig) -> int:
     threads = []
     for name, (cmd, env) in jobs.items():
         say(f"pipeline: {name}: {' '.join(shlex.quote(c) for c in cmd)}")
-        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+        p = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+                             preexec_fn=end_with_parent())
         procs[name] = p
         th = threading.Thread(target=forward_lines, args=(name, p.stdout, lock), daemon=True)
         th.start()

@@ -328,7 +328,8 @@ def chunk_key(array_path: str, coords: tuple[int, ...]) -> str:
 
 
 ROOT_RECORD = "dflash_root"  # shards/zarr.json attributes: the root's attributes as written when the cache was made
-ROOT_RECORD_DIGEST = "dflash_root_digest"  # ... and their fingerprint (tells a damaged record from a damaged root)
+ROOT_RECORD_DIGEST = "dflash_root_digest"  # ... and their fingerprint (tells a damaged record from a damaged root;
+# over every attribute, info.run included: volatile like it, as README's kill -9 guarantee lists)
 VOLATILE_ROOT_FIELDS = ("run",)  # info.run: the run that created the cache (time, world size, batch rows)
 
 

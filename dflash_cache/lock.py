@@ -101,10 +101,10 @@ class OutputLock:
             f"(since {rec.get('started')}: {rec.get('command')}); wait for it to finish, or, if that process is gone "
             f"(e.g. another machine crashed), delete {self.where}")
 
-    def _stale(self, rec: dict[str, Any] | None) -> str | None:
-        """Why `rec` is stale (so we may take it over), or None when it may be live."""
+    def _stale(self, rec: dict[str, Any] | None, raw: bytes = b"") -> str | None:
+        """Why `rec` (parsed from `raw`) is stale (so we may take it over), or None when it may be live."""
         if rec is None:
-            return "an unreadable lock record (empty or cut short: left by a process that died writing it, or by a full disk)"
+            return f"an unreadable lock record ({unreadable(raw)})"
         if rec.get("job") and rec.get("job") == job_id():
             return f"a lock of this same torchrun job (pid {rec.get('pid')})"
         if rec.get("host") != socket.gethostname():
@@ -122,6 +122,8 @@ class OutputLock:
         return None
 
     def acquire(self) -> "OutputLock":
+        if self.store.local and os.path.isdir(self.where) and not os.path.islink(self.where):
+            raise CacheError(f"{self.where} is a directory, not a lock record (dflash never makes one): move it away")
         for _ in range(5):
             rec = self._new_record()
             if self._try_create(rec):
@@ -131,7 +133,7 @@ class OutputLock:
             if raw is None:  # released between our attempt and the read: try again
                 continue
             old = parse_record(raw)
-            why = self._stale(old)
+            why = self._stale(old, raw)
             if why is None:
                 raise self._refuse(old)
             if self._take_over(raw, rec):
@@ -277,8 +279,26 @@ def holder(path: str) -> tuple[dict[str, Any] | None, str | None]:
     reader of a growing output (`dflash train --follow` on a cache being extracted) asks this to tell a writer that
     is still at work from one that died."""
     probe = OutputLock(path, "probe")
-    rec = probe._read()
-    return rec, (probe._stale(rec) if rec is not None else None)
+    raw = probe.store.get(LOCK_NAME)
+    rec = None if raw is None else parse_record(raw)
+    return rec, (probe._stale(rec, raw) if rec is not None else None)
+
+
+def unreadable(raw: bytes) -> str:
+    """What a lock record that parse_record refuses is, in words (for the note that takes it over)."""
+    if not raw.strip():
+        return "empty: left by a process that died writing it, or by a full disk"
+    try:
+        rec = json.loads(raw)
+    except UnicodeDecodeError:
+        return "not UTF-8 text: not written by dflash"
+    except ValueError:
+        return "not JSON: cut short by a process that died writing it, or not written by dflash"
+    if not isinstance(rec, dict):
+        return f"a JSON {type(rec).__name__}, not a lock record"
+    if not isinstance(rec.get("host"), str):
+        return f"a record whose host is {rec.get('host')!r}, not a host name"
+    return f"a record whose pid is {rec.get('pid')!r}, not a process id"
 
 
 def parse_record(raw: bytes) -> dict[str, Any] | None:

@@ -186,6 +186,9 @@ class Store:
                     return f.read()
             except FileNotFoundError:
                 return None
+            except IsADirectoryError:
+                raise CacheError(f"{self._p(key)} is a directory where dflash keeps a file (not written by dflash): "
+                                 "move it away") from None
         from zarr.core.buffer import default_buffer_prototype
 
         buf = self._sync(self._zstore.get(key, prototype=default_buffer_prototype()))

@@ -78,6 +78,12 @@ def _fmt(v) -> str:
     return json.dumps(v, sort_keys=True) if isinstance(v, (dict, list)) else repr(v)
 
 
+def _same_data(old: dict, new: dict) -> bool:
+    """Both records carry the data's content fingerprint and it is the same (the data moved, not changed)."""
+    was = (old.get("identity") or {}).get("data_fingerprint") if isinstance(old.get("identity"), dict) else None
+    return was is not None and was == new["identity"].get("data_fingerprint")
+
+
 def _check_same(old: dict, new: dict, out: str) -> list[str]:
     """Settings and identity of the record against this run's: the first difference is a ConfigError naming its
     flag; returns notes for identity keys the record predates (not checked)."""
@@ -88,6 +94,9 @@ def _check_same(old: dict, new: dict, out: str) -> list[str]:
             if key == "identity" and k in ADDED_IDENTITY and k not in a:
                 notes.append(f"note: {out} records no fingerprint of {ADDED_IDENTITY[k]} (written by an older "
                              "dflash): cannot check that it is unchanged since the output was started")
+            elif key == "settings" and k == "data" and a.get(k) != b.get(k) and _same_data(old, new):
+                notes.append(f"note: --data {b.get(k)} is not the path {out} was started with ({a.get(k)}), but its "
+                             "content is the same (content fingerprint): resuming")
             elif a.get(k) != b.get(k):
                 diffs.append((k, a.get(k), b.get(k)))
     if diffs and diffs[0][0] == "data_fingerprint":

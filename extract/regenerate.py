@@ -19,7 +19,8 @@ counts (OUT/data/.part-00007.stats.json): a part either exists whole or not at a
 and the result is identical to an uninterrupted run. OUT/dflash_regenerate.json records the settings, the target
 and tokenizer fingerprints, the content fingerprints of the target's weights and of the data files, the number of
 parts and, once every part is committed, the totals; a rerun with other settings, other weights or changed data is
-an error that names the flag (and the tensor), unless --overwrite. The weights are hashed in background threads
+an error that names the flag (and the tensor), unless --overwrite; the same data at another path (its content
+fingerprint unchanged) resumes with a note. The weights are hashed in background threads
 while the data is read and the model loaded (the same files: one of the two reads is the page cache's).
 OUT/README.md is a dataset card whose `configs` block lets `datasets.load_dataset(OUT)` find the parts. That
 folder's code (parts, record, resume checks) is extract/regen_out.py.

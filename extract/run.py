@@ -171,6 +171,8 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     weights = _weights_record(cfg, tc) if dist.is_main else None
     if weights is not None:
         info["weights"] = weights
+    if dist.is_main:
+        _same_inputs_moved(cfg, info)
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
                      rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
     threads = cfg.writer_threads or writer_threads_per_rank()
@@ -183,6 +185,7 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
         recorded = dflash_cache.open(cfg.out, allow_incomplete=True).metadata.get("info", {}).get("weights")
         if recorded is not None:  # rank 0 hashed the target and checked it; the other ranks adopt its record
             info["weights"] = recorded
+        _same_inputs_moved(cfg, info, say=lambda _: None)  # as rank 0 did (it said so)
         spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
                          rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
         writer = CacheWriter(cfg.out, spec, threads=threads, writer_id=f"rank{dist.rank}")
@@ -270,6 +273,31 @@ def _weights_record(cfg: ExtractConfig, tc) -> dict | None:
         raise TargetError(f"--target {cfg.target}: the cache {cfg.out} was extracted from other weights ({diff}); "
                           "resume with the target it was started with, or pass --overwrite to start over")
     return fp.as_dict()
+
+
+def _same_inputs_moved(cfg: ExtractConfig, info: dict, say=print0) -> None:
+    """Resuming a cache whose data or target now lies at another path: their content is what the cache depends on
+    (data_fingerprint, the weights' digest), so the same content moved is the same input. The cache keeps the paths it
+    recorded (its root is written once), said in a note; other content at the new path is refused as before."""
+    existing = None if cfg.overwrite else existing_root(Store(cfg.out), cfg.out)
+    old = (existing or {}).get("info") or {}
+    if not isinstance(old, dict):
+        return
+    moved = []
+    data_was = (old.get("data") or {}).get("path") if isinstance(old.get("data"), dict) else None
+    if data_was and data_was != info["data"]["path"] and old.get("data_fingerprint") == info["data_fingerprint"]:
+        moved.append(f"--data {info['data']['path']} (recorded: {data_was})")
+        info["data"]["path"] = data_was
+    target_was = (old.get("target") or {}).get("name_or_path") if isinstance(old.get("target"), dict) else None
+    digest = (old.get("weights") or {}).get("digest") if isinstance(old.get("weights"), dict) else None
+    if (target_was and target_was != info["target"].get("name_or_path") and digest
+            and digest == (info.get("weights") or {}).get("digest")
+            and old["target"].get("config_hash") == info["target"].get("config_hash")):
+        moved.append(f"--target {info['target']['name_or_path']} (recorded: {target_was})")
+        info["target"]["name_or_path"] = target_was
+    if moved:
+        say(f"extract: note: {' and '.join(moved)}: another path, the same content (fingerprints equal): "
+               f"resuming {cfg.out}, which keeps the paths it recorded")
 
 
 def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> tuple[int, float]:

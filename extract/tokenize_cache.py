@@ -38,7 +38,7 @@ import time
 import numpy as np
 
 from dflash.core.chat import content_of
-from dflash.core.io import check_files, file_record, short_hash
+from dflash.core.io import check_files, file_record, shared_mode, short_hash
 
 from .data import ChatTokenizer, TokenizedData, check_usable, data_fingerprint, tokenize_dataset, tokenizer_fingerprint
 
@@ -228,6 +228,7 @@ def tokenize_cached(ds, chat_tok: ChatTokenizer, seq_len: int, source: str, cach
     if local_main and not os.path.exists(os.path.join(final, "meta.json")):
         os.makedirs(cache_dir, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{key}.tmp-", dir=cache_dir)
+        shared_mode(tmp)  # mkdtemp makes it 0700: the entry is for every user of a shared cache
         try:
             t0 = time.perf_counter()
             tokenize_parallel(ds, chat_tok, seq_len, source, workers, tmp)

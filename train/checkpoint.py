@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash.core.io import world_readable
+from dflash.core.io import shared_mode
 from dflash.core.layers import default_layer_ids
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterError
 
@@ -93,7 +93,7 @@ def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfl
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
         json.dump(servable_config(model.cfg, name), f, indent=2)
     save_file(drafter_state_dict(model, dtype), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
-    world_readable(os.path.join(path, WEIGHTS_NAME))  # safetensors writes 0600: a served checkpoint is shared
+    shared_mode(os.path.join(path, WEIGHTS_NAME))  # save_file makes it 0600: a server of another user must read it
 
 
 def read_drafter_config(path: str) -> DrafterConfig:

@@ -21,7 +21,10 @@ it is for (the key hashes the drafter config, batch shape, dtype, attention, sco
 default (--compile-cache DIR shares it between runs; 'off': none). Before compiling, every rank loads the file
 whose record matches this process (same key, versions, device) and whose bytes have that size and checksum; inductor
 then finds its kernels built (a restart, a resume on a fresh machine that has the run directory). Any mismatch is
-a note and the file is not loaded: an artifact is never trusted unchecked. The files hold pickled compiler state:
+a note and the file is not loaded: an artifact is never trusted unchecked. A record that cannot be one (not UTF-8,
+not JSON, not an object, its env not an object, a directory) is set aside with the payload (DIR/damaged-<key>.*, never
+deleted) and noted, and the run saves a good pair. The note says whether torch took the checked payload: a payload it
+cannot read is "ignored" (the step compiles from scratch), never "loaded". The files hold pickled compiler state:
 load only directories you wrote.
 """
 
@@ -30,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import platform
+import shutil
 from typing import Any, Callable
 
 import torch
@@ -42,6 +47,7 @@ from .blocks import Blocks
 from .loss import chunked_block_loss, linear_ce_chunk
 
 SCOPES = ("regions", "step")
+DAMAGED = "damaged-"  # prefix of a damaged record (and its payload) set aside in DIR, never deleted
 _BLOCK_FIELDS = tuple(f.name for f in dataclasses.fields(Blocks))
 
 
@@ -102,24 +108,53 @@ class CompileArtifacts:
         if not self.dir:
             return "compile artifacts off"
         data_path, rec_path = self.paths
-        if not os.path.exists(rec_path):
+        if not os.path.lexists(rec_path):
             return f"no compile artifacts for this step in {self.dir}"
         try:
-            with open(rec_path) as f:
-                rec = json.load(f)
+            with open(rec_path, "rb") as f:
+                rec = json.loads(f.read().decode("utf-8"))
+            if not isinstance(rec, dict):
+                raise ValueError(f"a JSON {type(rec).__name__}, not a compile record")
+            if not isinstance(rec.get("env", {}), dict):
+                raise ValueError(f"its env is a JSON {type(rec['env']).__name__}, not an object")
+        except (OSError, ValueError) as e:  # a damaged record: set aside, so that this run saves a good one
+            return f"compile artifacts {data_path} ignored: {rec_path} is damaged ({e}); {self._set_aside()}"
+        try:
             with open(data_path, "rb") as f:
                 data = f.read()
-        except (OSError, ValueError) as e:
+        except OSError as e:
             return f"compile artifacts {data_path} ignored: unreadable ({e})"
         why = self._mismatch(rec, data)
         if why:
             return f"compile artifacts {data_path} ignored: {why}"
         try:
-            torch.compiler.load_cache_artifacts(data)
+            loaded = _quietly(torch.compiler.load_cache_artifacts, data)
         except Exception as e:  # noqa: BLE001 - a cache that cannot be loaded only costs the compile time
-            return f"compile artifacts {data_path} ignored: torch could not load them ({type(e).__name__}: {e})"
+            loaded, failure = None, f"{type(e).__name__}: {e}"
+        else:
+            failure = "not a payload it can read"
+        if loaded is None:  # torch returns None for a payload it cannot unpickle (its size and checksum matched)
+            return (f"compile artifacts {data_path} ignored: checked, but torch could not load them ({failure}); "
+                    "the step compiles from scratch")
         self.loaded = True
-        return f"loaded compile artifacts {data_path} ({len(data) / 2**20:.1f} MiB, checked)"
+        count = sum(len(v) for v in getattr(loaded, "artifacts", {}).values())
+        return (f"loaded compile artifacts {data_path} ({len(data) / 2**20:.1f} MiB, checked; torch took "
+                f"{count} entries)")
+
+    def _set_aside(self) -> str:
+        """Move this key's record and payload aside (DAMAGED prefix, kept for inspection); what was done, in words."""
+        moved = []
+        for path in self.paths:
+            if os.path.lexists(path):
+                aside = os.path.join(self.dir, DAMAGED + os.path.basename(path))
+                try:
+                    if os.path.isdir(aside) and not os.path.islink(aside):
+                        shutil.rmtree(aside)
+                    os.replace(path, aside)
+                    moved.append(os.path.basename(aside))
+                except OSError as e:
+                    return f"could not set it aside ({e})"
+        return f"kept aside as {', '.join(moved)}"
 
     def _mismatch(self, rec: dict, data: bytes) -> str | None:
         if rec.get("key") != self.key or rec.get("step") != json.loads(json.dumps(self.step, default=str)):
@@ -152,6 +187,18 @@ class CompileArtifacts:
         except OSError as e:
             return f"compile artifacts not saved ({e})"
         return f"saved compile artifacts {data_path} ({len(data) / 2**20:.1f} MiB)"
+
+
+def _quietly(fn, *args):
+    """fn(*args) with torch's compile-cache logger silenced: it logs a traceback for a payload it cannot unpickle,
+    which load() reports in its one note."""
+    logger = logging.getLogger("torch.compiler._cache")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        return fn(*args)
+    finally:
+        logger.setLevel(level)
 
 
 def cache_counters() -> dict[str, int]:

@@ -28,7 +28,7 @@ import shutil
 from typing import Any
 
 from dflash.core.errors import DflashError
-from dflash.core.io import atomic_json, atomic_write, world_readable
+from dflash.core.io import atomic_json, atomic_write, shared_mode
 from dflash.train.checkpoint import CONFIG_NAME, WEIGHTS_NAME, read_drafter_config, servable_config
 from dflash.train.contract import Trained
 from dflash.train.engines import SLIDING
@@ -174,10 +174,10 @@ def export(final: str, fmt: str, out: str, target: str | None = None, chat_templ
     shutil.copyfile(weights, os.path.join(tmp, WEIGHTS_NAME))
     atomic_write(os.path.join(tmp, "README.md"), readme(fmt, cfg, trained, target))
     for name in os.listdir(tmp):
-        world_readable(os.path.join(tmp, name))
+        shared_mode(os.path.join(tmp, name))
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
-    world_readable(out, directory=True)
+    shared_mode(out)
     return out
 
 

@@ -103,11 +103,13 @@ class Follower:
                 pass
             rec, gone = holder(self.path) if os.path.isdir(self.path) or "://" in self.path else (None, None)
             waited = time.monotonic() - t0
-            if rec is None and waited > START_GRACE_S:
+            grace = min(START_GRACE_S, self.timeout_s)  # --follow-timeout bounds this wait too
+            if rec is None and waited > grace:
+                bound = f"--follow-timeout {self.timeout_s:g}" if grace < START_GRACE_S else f"{grace:.0f} s"
                 raise ExtractionGone(
                     f"--follow: there is no cache at {self.path} and no `dflash extract` is writing one (no "
-                    f"{LOCK_NAME} for {START_GRACE_S:.0f} s); start the extraction with --out {self.path}, then rerun "
-                    "this command")
+                    f"{LOCK_NAME} in {waited:.0f} s, {bound}); start the extraction with --out {self.path}, then "
+                    "rerun this command")
             if gone is not None:
                 self._gone_or_wait(rec, gone, "it had not created the cache")
             else:

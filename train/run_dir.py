@@ -83,6 +83,10 @@ def check_out_path(cfg: TrainConfig) -> None:
         if os.path.lexists(os.path.join(cfg.out, name)) and not os.path.isdir(os.path.join(cfg.out, name)):
             raise TrainError(f"--out {cfg.out}: {name} is not a directory (a damaged run directory); choose another "
                              "--out, or delete it to start over")
+    for name in ("run.json", "metrics.jsonl", "summary.json"):  # files dflash writes: a directory there is not its own
+        if os.path.isdir(os.path.join(cfg.out, name)):
+            raise TrainError(f"--out {cfg.out}: {name} is a directory, not the file dflash train writes (a damaged run "
+                             "directory); move it away, or choose another --out")
     entries = [n for n in os.listdir(cfg.out) if not n.startswith(LOCK_NAME)]
     if entries and _run_marker(cfg.out) is None and set(entries) <= set(RUN_ENTRIES):
         state = "damaged (not a dflash train record)" if RUN_MARKER in entries else "missing"
@@ -129,6 +133,33 @@ def _cache_record(caches: dict[str, dict | None] | None, cfg: TrainConfig) -> di
             for flag, meta in caches.items() if meta is not None and flag in paths}
 
 
+def _identity_diffs(a: dict, b: dict) -> list[str]:
+    """The identity fields (cache_identity) in which a and b differ, IDENTITY_FIRST first."""
+    keys = [k for k in IDENTITY_FIRST if k in a or k in b] + sorted(set(a) | set(b) - set(IDENTITY_FIRST))
+    return [k for k in keys if a.get(k) != b.get(k)]
+
+
+def _moved_cache(old_doc: dict, resolved: dict[str, Any], record: dict[str, dict], out: str) -> str | None:
+    """When --cache is not the path RUN was trained on: None if the cache there now has the identity recorded for
+    the one it was trained on (the same cache, moved or copied: a note says so), else why it cannot be resumed and
+    how to go on."""
+    was_path, now_path = (old_doc.get("config") or {}).get("cache"), resolved.get("cache")
+    was = (old_doc.get("caches") or {}).get("cache") if isinstance(old_doc.get("caches"), dict) else None
+    now = record.get("cache")
+    if isinstance(was, dict) and isinstance(was.get("identity"), dict) and now is not None:
+        diffs = _identity_diffs(was["identity"], now["identity"])
+        if not diffs:
+            print0(f"train: note: --cache {now_path} is not the path {out} was trained on ({was_path}), but it holds "
+                   "the same cache (every identity field equal): resuming")
+            return None
+        why = (f"the cache at --cache {now_path} is another one (field '{diffs[0]}' was {was['identity'].get(diffs[0])!r}, "
+               f"now {now['identity'].get(diffs[0])!r})")
+    else:
+        why = f"{out}/run.json records no identity of that cache to check --cache {now_path} against (an older dflash)"
+    return (f"{out} was trained on the cache at {was_path}, and {why}: resuming would mix two datasets in one run; "
+            f"give --cache {was_path} (move the cache back), another --out, or --overwrite to start over")
+
+
 def _cache_problem(old_doc: dict, record: dict[str, dict], out: str) -> str | None:
     """Why this run's caches are not the ones RUN was trained on (None when they are, or cannot be told)."""
     old = old_doc.get("caches")
@@ -139,8 +170,7 @@ def _cache_problem(old_doc: dict, record: dict[str, dict], out: str) -> str | No
         if not isinstance(was, dict) or now is None or was.get("path") != now["path"]:
             continue  # not recorded, not used now, or (--val-cache) another held-out set chosen on purpose
         a, b = was.get("identity") or {}, now["identity"]
-        keys = [k for k in IDENTITY_FIRST if k in a or k in b] + sorted(set(a) | set(b) - set(IDENTITY_FIRST))
-        diffs = [k for k in keys if a.get(k) != b.get(k)]
+        diffs = _identity_diffs(a, b)
         if diffs:
             k = diffs[0]
             more = f" (also different: {', '.join(diffs[1:4])}{', ...' if len(diffs) > 4 else ''})" if diffs[1:] else ""
@@ -164,7 +194,10 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
         old = old_doc.get("config", {})
         problem = next((f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
                         f"{resolved.get(k)!r}; use another --out, or --overwrite to start over"
-                        for k in IDENTITY if json.dumps(old.get(k)) != json.dumps(resolved.get(k))), None)
+                        for k in IDENTITY if k != "cache" and json.dumps(old.get(k)) != json.dumps(resolved.get(k))),
+                       None)
+        if not problem and json.dumps(old.get("cache")) != json.dumps(resolved.get("cache")):
+            problem = _moved_cache(old_doc, resolved, record, cfg.out)
         problem = problem or _cache_problem(old_doc, record, cfg.out)
         if problem and cfg.overwrite:
             _remove_run(cfg.out)
@@ -199,15 +232,34 @@ STEP_DIR = re.compile(r"^step_(\d+)$")
 DAMAGED = "damaged-"  # prefix of a damaged checkpoint moved aside (kept for inspection, never deleted)
 
 
+def read_latest(ck: str) -> tuple[str | None, str | None]:
+    """(the step directory name CK/latest holds, None) or (None, what is wrong with it): missing, empty, not UTF-8,
+    not a step directory's name, or not a file. A damaged pointer is never an error: the newest intact checkpoint
+    is found without it."""
+    p = os.path.join(ck, "latest")
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(256)
+    except FileNotFoundError:
+        return None, "checkpoints/latest is missing"
+    except OSError as e:
+        return None, f"checkpoints/latest cannot be read ({e.strerror or e})"
+    try:
+        name = raw.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None, "checkpoints/latest is damaged (not UTF-8 text)"
+    if not STEP_DIR.match(name):
+        return None, f"checkpoints/latest is damaged ({'empty' if not name else f'{name[:40]!r} names no step'})"
+    return name, None
+
+
 def latest_checkpoint(out: str) -> str | None:
     """The checkpoint `latest` names, if its trainer.json exists (no check of its bytes: resume_checkpoint)."""
-    p = os.path.join(out, "checkpoints", "latest")
-    if not os.path.exists(p):
+    name, _ = read_latest(os.path.join(out, "checkpoints"))
+    if name is None:
         return None
-    with open(p) as f:
-        name = f.read().strip()
     full = os.path.join(out, "checkpoints", name)
-    return full if name and os.path.exists(os.path.join(full, "trainer.json")) else None
+    return full if os.path.exists(os.path.join(full, "trainer.json")) else None
 
 
 def checkpoint_problem(ck: str) -> str | None:
@@ -257,11 +309,7 @@ def resume_checkpoint(out: str) -> str | None:
         return None
     steps = sorted((d for d in os.listdir(ck) if STEP_DIR.match(d) and os.path.isdir(os.path.join(ck, d))),
                    key=lambda d: int(STEP_DIR.match(d).group(1)), reverse=True)
-    try:
-        with open(os.path.join(ck, "latest")) as f:
-            named = f.read().strip() or None
-    except OSError:
-        named = None
+    named, pointer_problem = read_latest(ck)
     if not steps:
         if named:
             print0(f"train: note: {ck}/latest names {named}, which is missing, and no other checkpoint exists: "
@@ -287,11 +335,13 @@ def resume_checkpoint(out: str) -> str | None:
         print0(f"train: note: {what}: kept aside as {', '.join(DAMAGED + d for d, _ in damaged)}; resuming from "
                f"{chosen}, the newest intact checkpoint")
     elif named != chosen:
-        why = ("checkpoints/latest is missing" if named is None
+        why = (pointer_problem if named is None
                else f"checkpoints/latest names {named}, which is missing" if not os.path.isdir(os.path.join(ck, named))
                else f"checkpoints/latest names {named}, but a newer one is intact (the run stopped before updating it)")
         print0(f"train: note: {why}; resuming from {chosen}, the newest intact checkpoint")
     if named != chosen:
+        if os.path.isdir(os.path.join(ck, "latest")) and not os.path.islink(os.path.join(ck, "latest")):
+            os.replace(os.path.join(ck, "latest"), os.path.join(ck, DAMAGED + "latest"))  # kept, never deleted
         atomic_write(os.path.join(ck, "latest"), chosen)
     return os.path.join(ck, chosen)
 

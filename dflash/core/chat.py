@@ -194,6 +194,30 @@ def _open_bytes(path: str):
         return None
 
 
+def first_bad_utf8(path: str, piece: int = 16 << 20) -> str | None:
+    """Where a data file is not UTF-8 text ("line 3: not UTF-8 text (invalid start byte at byte 12 of the line)"),
+    else None; read in pieces of whole lines. The JSON loader stores such bytes unchecked and a later read of the row
+    fails, so a JSON file is checked before its first load (load_chat_dataset)."""
+    fh = _open_bytes(path)
+    if fh is None:
+        return None
+    line, carry = 1, b""
+    with fh:
+        while True:
+            chunk = fh.read(piece)
+            text = carry + chunk
+            cut = len(text) if not chunk else text.rfind(b"\n") + 1  # whole lines now, the rest with the next piece
+            block, carry = text[:cut], text[cut:]
+            try:
+                block.decode("utf-8")
+            except UnicodeDecodeError as e:
+                start, at_line = block.rfind(b"\n", 0, e.start) + 1, line + block.count(b"\n", 0, e.start)
+                return f"line {at_line}: not UTF-8 text ({e.reason} at byte {e.start - start} of the line)"
+            if not chunk:
+                return None
+            line += block.count(b"\n")
+
+
 def first_bad_json(path: str) -> str | None:
     """Where a .json/.jsonl file is not valid JSON ("line 8: invalid JSON (...)"), else None. JSON Lines
     (its first line alone is a JSON value) is checked line by line, each line an object; otherwise the file is
@@ -264,6 +288,11 @@ def _load_files(path: str, files: list[str], split: str, content: str):
     (kind,) = kinds
     if _no_rows(kind, files):  # datasets cannot build an empty split: say so before it fails obscurely
         raise DataError(f"{path} has no rows")
+    if kind == "json" and not os.path.isdir(_content_cache_dir(content)):  # a first load of these bytes
+        for f in files:
+            where = first_bad_utf8(f)
+            if where:
+                raise DataError(f"could not read {f}: {where}")
     try:
         # A packaged builder on local files: no network access (nothing is resolved on the Hub); its cache
         # directory is named by the files' content (module docstring).

@@ -77,7 +77,11 @@ def presets() -> dict[str, resources.abc.Traversable]:
 
 
 def resolve_preset(name: str):
-    """A path given with --config, or the packaged preset of that name (with or without .yaml)."""
+    """A path given with --config (a file:// URL as the path it names), or the packaged preset of that name (with or
+    without .yaml)."""
+    from dflash.core.paths import path_form  # (paths imports this module)
+
+    name = path_form(name, "config")
     if os.path.islink(name) and not os.path.exists(name):
         raise ConfigError(f"--config {name} is a dangling symlink (to {os.readlink(name)}, which does not exist)")
     if os.path.isdir(name):

@@ -12,6 +12,10 @@ Contract:
   skipped on their word). Records that are cheap to redo or that only describe a run (run.json,
   summary.json, metrics.jsonl, demo data, the checkpoint `latest` pointer, whose checkpoint files are
   not fsynced either) skip the fsync.
+- `shared_mode(path)` gives a file (or directory) that a library created private (safetensors' save_file and
+  tempfile.mkdtemp create 0600 / 0700) the mode this process's umask gives a new file or directory (0644 / 0755 under
+  the usual 022): what dflash writes for others to read (a drafter served by another user, a shared tokenise cache)
+  is readable as the user's umask says. atomic_write's files are opened with open(), which already applies it.
 - `short_hash(payload, chars=16)` is the first `chars` hex digits of sha256 over bytes, a str (as
   UTF-8), or an iterable of bytes chunks hashed in order (no join in memory). Every fingerprint dflash
   records that is "sha256 of one payload" goes through it (16 digits; the tokenisation cache key uses 24,
@@ -24,8 +28,6 @@ Contract:
   in parallel and do nothing but file I/O and hashing. Streamed: memory is one piece per thread. A file shorter
   than its extent is an OSError naming it. `file_record(paths)` / `check_files(record, paths)` are the
   size + digest record of whole files and its check: what a later read trusts a file on.
-- `world_readable(path)` gives a file the mode a plain open() would under the process's umask (0644 under the
-  usual 022; a directory 0755): safetensors writes 0600, and a checkpoint served by another user must be readable.
 """
 
 from __future__ import annotations
@@ -86,11 +88,25 @@ def atomic_write(path: str, data: str | bytes, *, durable: bool = False) -> None
         raise
 
 
-def world_readable(path: str, directory: bool = False) -> None:
-    """chmod `path` to 0666 (0777 for a directory) less the umask: what open() or mkdir() would have made."""
-    mask = os.umask(0)
+def _umask() -> int:
+    """This process's umask: read from /proc on Linux (setting it to read it would race with threads that create
+    files), else set and put straight back."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
     os.umask(mask)
-    os.chmod(path, (0o777 if directory or os.path.isdir(path) else 0o666) & ~mask)
+    return mask
+
+
+def shared_mode(path: str) -> None:
+    """Set path's mode to what the umask gives a new file (0o666 & ~umask) or directory (0o777 & ~umask)."""
+    full = 0o777 if os.path.isdir(path) else 0o666
+    os.chmod(path, full & ~_umask())
 
 
 def atomic_json(path: str, obj, *, durable: bool = False) -> None:

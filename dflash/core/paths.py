@@ -2,7 +2,15 @@
 
 An output file such as --json is written after a job that may take days: a directory in its place, or a
 parent directory that does not exist, must fail in the first second, not at the end. fsspec URLs
-(`s3://...`) are not checked here (their stores say what is wrong when they are written).
+(`s3://...`) are not checked here beyond their form (their stores say what is wrong when they are written).
+
+The forms a path flag takes (path_form, applied by every command to every path flag before anything else): a plain
+path; a `file://` URL, which is the local path it names (`file:///abs/run` is /abs/run, for every flag); and, only
+for the flags of a cache (extract --out, train --cache and --val-cache, pipeline --cache, `cache info` and `cache
+verify` PATH: each command names them to path_forms), another fsspec URL whose protocol fsspec knows and can open
+here. A cache written to a
+store that lives only in this process's memory (EPHEMERAL: `memory://`) is refused: it would be gone when the
+command exits. Any other form is a ConfigError naming the flag.
 
 What is checked (each a ConfigError naming the flag and the path):
 - an input (check_input_path: --target, --data, --cache, --drafter, --chat-template): it exists (a dangling
@@ -21,8 +29,82 @@ from dflash.core.config import ConfigError, flag
 from dflash_cache.lock import OutputLock
 
 
+LOCAL_PROTOCOLS = ("file", "local")  # fsspec's names of this machine's filesystem
+EPHEMERAL = ("memory",)  # fsspec stores whose files live in this process only
+
+
 def is_url(path: str) -> bool:
     return "://" in str(path) and not str(path).startswith("file://")
+
+
+def url_protocol(path: str) -> str | None:
+    """The protocol of a URL (`s3` of s3://bucket/x), None for a plain path."""
+    head, sep, _ = str(path).partition("://")
+    return head.lower() if sep and head and "/" not in head else None
+
+
+def path_form(path: str | None, name: str, url: str | None = None) -> str | None:
+    """The path a flag's value names (module docstring): a plain path as given, a `file://` URL as its local path,
+    and an fsspec URL where `url` allows one ("read": a cache read; "write": a cache written, which must outlive the
+    process). `name` is the flag's field (`val_cache`) or an argument's metavar (`PATH`). ConfigError otherwise."""
+    if not path:
+        return path
+    path = str(path)
+    protocol = url_protocol(path)
+    if protocol is None:
+        return path
+    who = name if name.isupper() else flag(FLAG_OF.get(name, name))
+    if protocol in LOCAL_PROTOCOLS:
+        local = path.split("://", 1)[1]
+        if local.startswith("localhost/"):
+            local = local[len("localhost"):]
+        if not local:
+            raise ConfigError(f"{who} {path} names no path")
+        return local
+    if url is None:
+        raise ConfigError(f"{who} {path}: this flag takes a local path or a file:// URL ({protocol}:// is read and "
+                          "written only by the flags of a cache)")
+    import fsspec
+
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        raise ConfigError(f"{who} {path}: unknown URL protocol {protocol}:// (fsspec knows none of that name)") from None
+    except ImportError as e:
+        raise ConfigError(f"{who} {path}: {protocol}:// URLs cannot be opened here ({e})") from None
+    if url == "write" and protocol in EPHEMERAL:
+        raise ConfigError(f"{who} {path}: a {protocol}:// store lives only in this process's memory and would be gone "
+                          "when the command exits; give a directory or a lasting URL (s3://, gs://, ...)")
+    return path
+
+
+# the path fields of the commands' configs; what each command's cache fields take (path_form's `url`)
+PATH_FIELDS = ("target", "data", "out", "cache", "val_cache", "drafter", "chat_template", "tokenize_cache",
+               "compile_cache", "json_out", "plot", "workdir")
+FLAG_OF = {"json_out": "json"}  # fields whose flag has another name
+SETTING_WORDS = ("off",)  # a path field's words that are not paths (--tokenize-cache off, --compile-cache off)
+
+
+def path_forms(values: dict, urls: dict[str, str] | None = None) -> dict:
+    """values with every path field (PATH_FIELDS) in its path_form; `urls`: field -> "read" / "write" for the
+    fields that may be fsspec URLs. A chat template given as its text (it holds Jinja braces) is not a path."""
+    out = dict(values)
+    for name in PATH_FIELDS:
+        value = out.get(name)
+        if not isinstance(value, str) or value in SETTING_WORDS or (name == "chat_template" and "{" in value):
+            continue
+        out[name] = path_form(value, name, (urls or {}).get(name))
+    return out
+
+
+def in_path_forms(cfg, urls: dict[str, str] | None = None):
+    """A command's config dataclass with its path fields in their path_form (set in place; returned)."""
+    import dataclasses
+
+    names = {f.name for f in dataclasses.fields(cfg)}
+    for name, value in path_forms({n: getattr(cfg, n) for n in PATH_FIELDS if n in names}, urls).items():
+        setattr(cfg, name, value)
+    return cfg
 
 
 def check_output_file(path: str | None, name: str) -> None:
@@ -159,12 +241,30 @@ class output_lock:
                     pass
 
 
-def check_apart(out: str, **inputs: str | None) -> None:
-    """No input (--data, --target, --cache) may be --out or lie inside it: writing, resuming or --overwrite
-    there would change or delete what the command reads."""
+def check_apart(out: str, out_flag: str = "out", **inputs: str | None) -> None:
+    """No input (--data, --target, --cache) may be --out or lie inside it: writing, resuming or --overwrite there
+    would change or delete what the command reads. Nor may --out lie inside an input directory: the output's own
+    files would be read as input by every later run (a cache or regenerated parts inside --data)."""
     if not out or is_url(out):
         return
     for name, path in inputs.items():
-        if path and not is_url(path) and os.path.exists(path) and inside(path, out):
-            raise ConfigError(f"--out {out} {'is' if real(path) == real(out) else 'contains'} {flag(name)} {path}; "
-                              "an output must be apart from what the command reads: choose another --out")
+        if not path or is_url(path) or not os.path.exists(path):
+            continue
+        if inside(path, out):
+            raise ConfigError(f"{flag(out_flag)} {out} {'is' if real(path) == real(out) else 'contains'} {flag(name)} "
+                              f"{path}; an output must be apart from what the command reads: choose another "
+                              f"{flag(out_flag)}")
+        if os.path.isdir(path) and inside(out, path):
+            raise ConfigError(f"{flag(out_flag)} {out} lies inside {flag(name)} {path}; its files would be read with "
+                              f"{flag(name)} by every later run: choose a {flag(out_flag)} outside it")
+
+
+def check_run_apart_from_cache(out: str, cache: str) -> None:
+    """A run directory (--out) is never its cache, inside it, nor holding it (train refuses it too, but `dflash
+    pipeline` must refuse it before its extraction starts); neither needs to exist yet."""
+    if not out or not cache or is_url(cache):
+        return
+    if inside(cache, out) or inside(out, cache):
+        how = "is" if real(cache) == real(out) else "contains" if inside(cache, out) else "lies inside"
+        raise ConfigError(f"--out {out} {how} --cache {cache}; a run directory must be apart from its cache: choose "
+                          "another --out")
