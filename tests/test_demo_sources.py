@@ -1,5 +1,5 @@
-"""The demo's data sources (dflash/demo_sources.py) on the real files their packages ship, and the GPU recipe's
-mix of them (dflash/demo_gpu.py: mix_sources, prepare_data, the summary's bars):
+"""The demo's data sources (dflash/recipes/sources.py) on the real files their packages ship, and the GPU recipe's
+mix of them (dflash/recipes/gpu.py: mix_sources, prepare_data, the summary's bars):
 
   * every converter turns its package's real file into alternating user / assistant conversations, as many as the
     data has, with the data's categories; repeated prompts are dropped; a missing package names its install;
@@ -18,9 +18,9 @@ import os
 import pytest
 
 from dflash.core.config import ConfigError
-from dflash.demo_gpu import (BARS, GpuRecipe, bars, dialogues, format_summary, interleave, is_heldout, mix_sources,
+from dflash.recipes.gpu import (BARS, GpuRecipe, bars, dialogues, format_summary, interleave, is_heldout, mix_sources,
                              prepare_data, repeat_to, shares_of, split_data)
-from dflash.demo_sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, ifbench, load_source,
+from dflash.recipes.sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, ifbench, load_source,
                                  mt_bench, source_path)
 
 MISSING = [s.pip for s in SOURCES.values() if importlib.util.find_spec(s.module) is None]
@@ -213,7 +213,7 @@ def test_bars_read_the_in_source_and_out_of_source_sets():
 def test_the_recipe_end_to_end_with_a_mix_and_an_out_of_source_set(tmp_path, capsys):
     """run_gpu_demo on a tiny random target with two training sources and MT-Bench held out: the data, the eval
     of both sets (JSON and printed table) and the summary's lines."""
-    from dflash.demo_gpu import run_gpu_demo
+    from dflash.recipes.gpu import run_gpu_demo
     from tests.test_demo_gpu_recipe import TINY_RECIPE
     from tests.tiny import make_tiny_target
 
@@ -246,9 +246,9 @@ def test_the_recipe_end_to_end_with_a_mix_and_an_out_of_source_set(tmp_path, cap
 def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitchat(tmp_path):
     from dataclasses import replace
 
-    from dflash.demo import DemoConfig, eval_figures
-    from dflash.demo import format_summary as cpu_summary
-    from dflash.demo import prepare_data as cpu_data
+    from dflash.recipes.demo import DemoConfig, eval_figures
+    from dflash.recipes.demo import format_summary as cpu_summary
+    from dflash.recipes.demo import prepare_data as cpu_data
     from dflash.train.decode import Decode
     from dflash.train.eval import groups
 

