@@ -120,7 +120,8 @@ def run(model, prompts, max_new: list[int], *, eos, batch, max_tokens, prefill, 
 def turns(a, target: str) -> dict:
     """--turns: the same conversations regenerated once per run (--continue-turns on/off, --prefill-tokens)."""
     from dflash.core.io import atomic_jsonl
-    from dflash.recipes.gpu import GpuRecipe, split_data
+    from dflash.recipes.gpu_config import GpuRecipe
+    from dflash.recipes.mix import split_data
     from dflash.recipes.assets import chitchat_json
     from dflash.extract.regen_out import committed_parts, part_name
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate

@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from dflash.recipes.gpu import (GpuRecipe, as_messages, dialogues, eval_prompts, is_heldout, load_recipe, split_data,
-                             training_sample)
+from dflash.recipes.gpu_config import GpuRecipe, load_recipe
+from dflash.recipes.mix import eval_prompts, is_heldout, split_data, training_sample
+from dflash.recipes.sources import as_messages, dialogues
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -16,7 +16,8 @@ import os
 import pytest
 
 from dflash.core.config import ConfigError
-from dflash.recipes.gpu import GpuRecipe, prepare_data
+from dflash.recipes.gpu_config import GpuRecipe
+from dflash.recipes.mix import prepare_data
 from dflash.recipes.self_prompts import self_prompts
 from dflash.extract.prompts import MARKER, keep, prefix_of, sample
 from dflash.recipes.sources import Conversation, as_messages

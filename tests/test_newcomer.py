@@ -26,7 +26,9 @@ from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
 from dflash.core.progress import Bar, EtaRate
-from dflash.recipes.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_paths, cpu_settings, cpu_stage_plan, format_summary
+from dflash.recipes.cpu import CPU_STAGE_SECONDS, cpu_paths, cpu_settings, cpu_stage_plan
+from dflash.recipes.demo import DemoConfig
+from dflash.recipes.summary import format_cpu_summary
 from dflash.recipes.stages import StagePlan, stored_result, train_rates
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
@@ -217,10 +219,10 @@ def test_the_demo_summary_names_the_run_mean_and_the_last_window():
          "extract_tokens_per_s": 1.0, **r, "final_loss": 1.0, "tau_dflash": 1.0, "tau_ngram": 1.0,
          "speedup_dflash": 1.0, "speedup_ngram": 1.0, "lossless": "1/1", "timings_s": {}}
     assert "training                      267 ctx tok/s (run mean, steps 21-60; last window, steps 41-60: 200)" \
-        in format_summary(s)
+        in format_cpu_summary(s)
     one = train_rates(hist[:1])  # a single window: it is the mean and the last
     assert one["train_tokens_per_s"] == 100.0 and one["train_tokens_per_s_steps"] == [1, 20]
-    assert "(run mean, steps 1-20)" in format_summary({**s, **one})
+    assert "(run mean, steps 1-20)" in format_cpu_summary({**s, **one})
 
 
 # ------------------------------------------------------------------------------------------------ files under HOME
