@@ -28,8 +28,8 @@ from dflash.cli import main as cli_main
 from dflash.core.progress import Bar, EtaRate
 from dflash.recipes.cpu import CPU_STAGE_SECONDS, cpu_paths, cpu_settings, cpu_stage_plan
 from dflash.recipes.demo import DemoConfig
-from dflash.recipes.summary import format_cpu_summary
 from dflash.recipes.stages import StagePlan, stored_result, train_rates
+from dflash.recipes.summary import format_cpu_summary
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
