@@ -336,6 +336,8 @@ def pipeline(**kw):
 @option("--ngram-max", type=int, help="Longest n-gram for the prompt-lookup baseline.")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
+@option("--threads", type=int, help="Intra-op CPU threads while decoding.",
+        default_text="1 on a CPU ($OMP_NUM_THREADS when set); on a GPU left as they are")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @option("--json", "json_out", help="Write the full report here: target, dflash and ngram each with tau, speedup, identical, per-prompt tau, "
              "histograms and timings; sets and categories likewise (schema dflash.eval/1, every key described in "
@@ -390,6 +392,8 @@ def eval_cmd(preset, no_progress, **flags):
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
+@option("--threads", type=int, help="Intra-op CPU threads while decoding.",
+        default_text="1 on a CPU ($OMP_NUM_THREADS when set); on a GPU left as they are")
 @option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3).")
 @option("--json", "json_out", help="Also write the run summary to this JSON file.")
 @option("--no-progress", is_flag=True, help="No progress bar.")
@@ -440,6 +444,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
+@option("--threads", type=int, help="Intra-op CPU threads while decoding.",
+        default_text="1 on a CPU ($OMP_NUM_THREADS when set); on a GPU left as they are")
 @option("--json", "json_out", help="Also write the record (settings, counts, seconds) to this JSON file.")
 @option("--no-progress", is_flag=True, help="No progress bar.")
 def prompts(preset, json_out, no_progress, **flags):

@@ -163,11 +163,13 @@ class PromptsConfig:
     dtype: str = "auto"  # bfloat16 on GPU, float32 on CPU
     overwrite: bool = False
     device: str = "auto"
+    threads: int = 0  # intra-op CPU threads; 0: 1 on a CPU (or $OMP_NUM_THREADS), untouched on CUDA (core/threads.py)
     progress: bool = True
 
     def __post_init__(self):
         check(bool(self.target), "target", "is required (a local HF model directory or .gguf file)")
         check(bool(self.out), "out", "is required (a directory for the prompts)")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
         check(self.num >= 1, "num", f"must be >= 1, got {self.num}")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check(math.isfinite(self.temperature) and self.temperature > 0, "temperature",
@@ -255,8 +257,11 @@ def run_prompts(cfg: PromptsConfig) -> dict[str, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("dflash prompts runs as one process: start it without torchrun (sampling a few "
                           "thousand turns is short next to answering them)")
+    from dflash.core.threads import decode_threads
+
     with output_lock(cfg.out, "prompts", True, precheck=lambda out: check_out(out, cfg.overwrite)):
-        return _run(cfg)
+        with decode_threads(cfg.threads, cfg.device):
+            return _run(cfg)
 
 
 def _run(cfg: PromptsConfig) -> dict[str, Any]:

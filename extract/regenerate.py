@@ -42,6 +42,7 @@ from dflash.core.chat import DataError, content_of, eos_ids_of, iter_row_batches
 from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.core.paths import output_lock
+from dflash.core.threads import decode_threads
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info, text_config
 from dflash.core.weights import fingerprint
 
@@ -107,6 +108,7 @@ class RegenerateConfig:
     turns: str = "all"
     overwrite: bool = False
     device: str = "auto"
+    threads: int = 0  # intra-op CPU threads; 0: 1 on a CPU (or $OMP_NUM_THREADS), untouched on CUDA (core/threads.py)
     progress: bool = True
 
     def __post_init__(self):
@@ -123,6 +125,7 @@ class RegenerateConfig:
         check(self.batch_size >= 0, "batch_size", f"must be >= 1 (or 0 for the default), got {self.batch_size}")
         check(self.max_batch_tokens >= 0, "max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         check(self.prefill_tokens >= 0, "prefill_tokens", f"must be >= 0, got {self.prefill_tokens}")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.turns in ("all", "last"), "turns", f"must be all or last, got {self.turns!r}")
 
@@ -182,7 +185,8 @@ def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     dist = compute_init(cfg.device)
     with output_lock(cfg.out, "regenerate", dist.is_main,
                      precheck=lambda out: check_out(out, cfg.overwrite)):  # one writer per OUT
-        return _run_regenerate(cfg, dist)
+        with decode_threads(cfg.threads, str(dist.device)):
+            return _run_regenerate(cfg, dist)
 
 
 def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:

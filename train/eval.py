@@ -47,6 +47,7 @@ import torch
 from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check, finite
+from dflash.core.threads import decode_threads
 from dflash.core.dist import compute_init, resolve_dtype
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text_config
 
@@ -79,6 +80,7 @@ class EvalConfig:
     # the drafter's step (context + draft) as one CUDA graph (checked against the eager step once); None: on a GPU
     # (bench/spec_step.py --draft-only on the H200: 0.61 vs 2.33 ms a step in bf16), off on a CPU (no graphs there)
     draft_graph: bool | None = None
+    threads: int = 0  # intra-op CPU threads; 0: 1 on a CPU (or $OMP_NUM_THREADS), untouched on CUDA (core/threads.py)
     progress: bool = True
 
     def __post_init__(self):
@@ -92,6 +94,7 @@ class EvalConfig:
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", "must be auto, bfloat16 or float32")
         check(self.warmup_prompts >= 0, "warmup_prompts", "must be >= 0")
         check(finite(self.tie_margin) and self.tie_margin >= 0, "tie_margin", "must be a finite number >= 0")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,6 +279,11 @@ def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, d
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    with decode_threads(cfg.threads, cfg.device):
+        return _run_eval(cfg)
+
+
+def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
 
     dev = compute_init(cfg.device).device
     dtype = resolve_dtype(cfg.dtype, dev)
