@@ -28,7 +28,7 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
 )
 from dflash.core.config import build, parse_int_list, parse_kv
 from dflash.core.paths import check_cache_path, check_output_dir
-from dflash.recipes.demo import CPU_SIZES, DemoConfig, run_demo
+from dflash.recipes.demo import CPU_SIZES, DemoConfig, cpu_demo_time, run_demo
 from dflash_cache.lock import OutputLock
 
 
@@ -477,7 +477,16 @@ def prompts(preset, json_out, no_progress, **flags):
         atomic_json(json_out, record)
 
 
-@main.command()
+@main.command(help=f"""Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
+
+    Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
+    hidden states, train a small drafter, and measure it by speculative decoding against n-gram
+    prompt lookup on held-out prompts. The CPU recipe took {cpu_demo_time()} on an idle 2-core CPU (every
+    stage is CPU-bound: longer with fewer free cores); the GPU recipe (configs/demo-gpu.yaml: user turns the target
+    writes itself, chitchat and three other sources, all answered by the target, MT-Bench kept out as the
+    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 min on one
+    H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
+    """)
 @click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="cpu: the 2-core recipe; gpu: ~68k samples of five sources on one GPU (configs/demo-gpu.yaml); "
                    "auto: gpu when CUDA is available.")
@@ -492,16 +501,6 @@ def prompts(preset, json_out, no_progress, **flags):
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 def demo(no_progress, **kw):
-    """Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
-
-    Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
-    hidden states, train a small drafter, and measure it by speculative decoding against n-gram
-    prompt lookup on held-out prompts. The CPU recipe takes 6-9 minutes on an idle 2-core CPU (every
-    stage is CPU-bound: ~25 on a loaded one); the GPU recipe (configs/demo-gpu.yaml: user turns the target writes
-    itself, chitchat and three other sources, all answered by the target, MT-Bench kept out as the
-    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 on one
-    H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
-    """
     check_output_dir(kw.get("workdir"), "workdir")
     if kw.get("device") not in (None, "auto"):  # before minutes of preparation, not at the first stage that uses it
         from dflash.core.dist import parse_device

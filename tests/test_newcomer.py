@@ -26,8 +26,8 @@ from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
 from dflash.core.progress import Bar, EtaRate
-from dflash.recipes.cpu import CPU_STAGE_SECONDS, cpu_paths, cpu_settings, cpu_stage_plan
-from dflash.recipes.demo import DemoConfig
+from dflash.recipes.cpu import cpu_paths, cpu_settings, cpu_stage_plan, first_line
+from dflash.recipes.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_demo_time
 from dflash.recipes.stages import StagePlan, stored_result, train_rates
 from dflash.recipes.summary import format_cpu_summary
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
@@ -116,8 +116,8 @@ def test_each_cpu_stage_has_its_share_of_the_demo():
     assert list(plan.seconds) == ["prepare target", "regenerate", "extract", "train", "eval"]
     assert plan.seconds == pytest.approx(CPU_STAGE_SECONDS)  # the defaults: as measured
     assert sum(plan.share(n) for n in plan.seconds) == pytest.approx(1.0)
-    assert plan.line("extract") == "demo: [3/5] extract  (~11% of the demo)"
-    assert plan.line("train") == "demo: [4/5] train  (~41% of the demo)"
+    assert plan.line("extract") == "demo: [3/5] extract  (~9% of the demo)"
+    assert plan.line("train") == "demo: [4/5] train  (~42% of the demo)"
     # more steps: training's share grows; the dataset's own replies: no regenerate stage
     longer = cpu_stage_plan(DemoConfig(train_steps=640).cpu())
     assert longer.seconds["train"] == pytest.approx(4 * CPU_STAGE_SECONDS["train"])
@@ -288,3 +288,18 @@ def test_trains_last_line_names_its_window_and_the_drafter_as_this_command_names
     assert again.exit_code == 0 and "nothing to do" in again.output, again.output
     line = [ln for ln in again.output.splitlines() if ln.startswith("train: step 6:")][-1]
     assert line.endswith(f"drafter -> {tmp_path / 'run' / 'final'}") and "(last window, steps 5-6)" in line
+
+
+def test_the_cpu_demo_duration_is_one_measured_figure_stated_alike_everywhere():
+    """Before: README said 7 min 37 s, the first line about 8 min, --help 6-9 minutes, a comment 8 min 15 s."""
+    figure = cpu_demo_time()
+    assert figure == "7 min 32 s" and cpu_demo_time({"a": 59.6}) == "1 min 0 s"
+    stages = ", ".join(f"{k} {v:.0f} s" for k, v in CPU_STAGE_SECONDS.items())
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert f"{figure} on an idle 2-core machine (2026-12-02: {stages};" in readme
+    assert f"`demo: [3/5] extract ({cpu_stage_plan(DemoConfig().cpu()).line('extract').split('(')[1]}`" in readme
+    line = first_line(cpu_stage_plan(DemoConfig().cpu()))
+    assert f"{figure} on an idle 2-core CPU as measured" in line
+    help_text = " ".join(CliRunner().invoke(cli_main, ["demo", "--help"]).output.split())
+    assert f"The CPU recipe took {figure} on an idle 2-core CPU" in help_text
+    assert not re.search(r"\d+-\d+ minutes|about \d+ min on an idle", help_text + line)

@@ -9,7 +9,7 @@ out-of-source prompts, dflash/recipes/sources.py). Steps, each resumed if the de
     prepare target -> prompts -> regenerate responses with the target (the DFlash recipe)
     -> extract hidden states -> train a small drafter -> eval (DFlash vs n-gram vs target alone)
 
-Each stage prints its line with its expected share of the time as it starts (CPU_STAGE_SECONDS); a rerun of a
+Each stage prints its line with its expected share of the time as it starts (demo.py's CPU_STAGE_SECONDS); a rerun of a
 finished demo prints the stored result and changes nothing; every file is under the workdir, the tokenise, datasets
 and matplotlib caches in WORKDIR/caches (dflash/recipes/stages.py).
 """
@@ -26,18 +26,11 @@ import dflash_cache
 from dflash.core.config import ConfigError
 from dflash.core.io import atomic_json, atomic_jsonl
 from dflash.recipes.assets import chitchat_json, smollm2_gguf
-from dflash.recipes.demo import CPU_SIZES, DemoConfig
+from dflash.recipes.demo import CPU_SIZES, CPU_STAGE_SECONDS, DemoConfig, cpu_demo_time
 from dflash.recipes.mix import out_of_source_prompts
 from dflash.recipes.sources import load_source
 from dflash.recipes.stages import StagePlan, caches_under, now_stamp, show_stored, stored_result, train_rates
 from dflash.recipes.summary import eval_figures, format_cpu_summary
-
-
-# Seconds of each stage of the CPU recipe at CPU_SIZES and the default settings, measured on an idle 2-core CPU
-# (2026-12-01, 8 min 15 s in all, and the 4 MT-Bench prompts' ~25 s of eval). All are CPU-bound: on another machine
-# they scale with the core count and speed and with whatever else runs there (not all alike: on a 2-core machine
-# loaded by other work, regenerate took 8.7x as long and train 3.8x); what is shown is each stage's share.
-CPU_STAGE_SECONDS = {"prepare target": 19.0, "regenerate": 105.0, "extract": 55.0, "train": 210.0, "eval": 127.0}
 
 
 def chitchat_conversations() -> list[dict[str, str]]:
@@ -99,6 +92,14 @@ def cpu_stage_plan(cfg: DemoConfig) -> StagePlan:
     return StagePlan(secs)
 
 
+def first_line(plan: StagePlan) -> str:
+    """The CPU demo's first line: its stages and its duration as measured (CPU_STAGE_SECONDS, scaled to the work asked
+    for)."""
+    return (f"demo: the CPU recipe in {len(plan.seconds)} stages, {cpu_demo_time(plan.seconds)} on an idle 2-core CPU "
+            "as measured; longer with fewer or slower cores or other work on the machine (each stage's progress bar "
+            "gives its ETA)")
+
+
 def cpu_settings(cfg: DemoConfig) -> dict[str, Any]:
     """The settings that make a CPU demo's result (cfg without where it runs and how it shows progress): a rerun with
     the same ones finds its result stored."""
@@ -144,9 +145,7 @@ def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str)
     from dflash.train.trainer import TrainConfig, run_train
 
     plan = cpu_stage_plan(cfg)
-    print(f"demo: the CPU recipe in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on an "
-          "idle 2-core CPU; longer with fewer or slower cores or other work on the machine (each stage's progress "
-          "bar gives its ETA)", flush=True)
+    print(first_line(plan), flush=True)
     timings: dict[str, float] = {}
     plan.start("prepare target")
     t = time.perf_counter()

@@ -14,6 +14,18 @@ from typing import Any
 from dflash.core.config import ConfigError, check
 
 CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
+# The CPU recipe's duration, the one place it is stated (the demo's first line, `dflash demo --help` and README use
+# cpu_demo_time()): each stage's seconds at CPU_SIZES and the default settings, measured on an idle 2-core CPU
+# (2026-12-02). All are CPU-bound: on another machine they scale with the cores, their speed and whatever else runs
+# there (not all alike: on a 2-core machine loaded by other work, regenerate took 8.7x as long and train 3.8x); each
+# stage's line shows its share of the whole.
+CPU_STAGE_SECONDS = {"prepare target": 11.0, "regenerate": 80.0, "extract": 42.0, "train": 188.0, "eval": 131.0}
+
+
+def cpu_demo_time(seconds: dict[str, float] | None = None) -> str:
+    """The CPU recipe's measured duration, e.g. "7 min 32 s": the sum of `seconds` (default CPU_STAGE_SECONDS)."""
+    total = round(sum((CPU_STAGE_SECONDS if seconds is None else seconds).values()))
+    return f"{total // 60} min {total % 60} s" if total >= 60 else f"{total} s"
 
 
 @dataclass
