@@ -7,8 +7,8 @@ sampled, writes a user turn of the kind it was tuned on (the "pre-query template
 free source of prompts as varied as the target's own tuning data. `dflash prompts` samples --num such turns and
 keeps those that ended on their own within --max-new-tokens, are not empty and are distinct; `dflash regenerate
 --data OUT` then answers them with the target. In the GPU recipe half the samples are such turns
-(dflash/recipes/self_prompts.py
-uses this module): MT-Bench tau 1.76 against 1.48 without them (BENCHMARKS.md, "GPU recipe").
+(dflash/recipes/self_prompts.py uses this module): MT-Bench tau 1.76 against 1.48 without them (BENCHMARKS.md,
+"GPU recipe").
 
     dflash prompts --target T --out P --num 50000 && dflash regenerate --target T --data P --out A
 

@@ -42,8 +42,8 @@ from dflash.core.chat import DataError, content_of, eos_ids_of, iter_row_batches
 from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.core.paths import output_lock
-from dflash.core.threads import decode_threads
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, target_info, text_config
+from dflash.core.threads import decode_threads
 from dflash.core.weights import fingerprint
 
 from .data import ChatTokenizer, tokenizer_fingerprint
