@@ -45,8 +45,8 @@ class GpuRecipe:
     # when it is smaller); eval_prompts are split among them by share (the in-source set)
     sources: dict = field(default_factory=lambda: {"chitchat": 1.0})
     # the `self` source (dflash/recipes/self_prompts.py): user turns the target writes itself after its chat template's
-    # user
-    # header, sampled once (seeded) before the data stage; kept: those that ended within self_prompt_tokens, distinct
+    # user header, sampled once (seeded) before the data stage; kept: those that ended within self_prompt_tokens,
+    # distinct
     self_prompts: int = 8192  # turns sampled (when `self` is in sources)
     self_prompt_tokens: int = 64
     self_temperature: float = 1.0

@@ -224,8 +224,7 @@ def prepare_data(workdir: str, recipe: GpuRecipe, self_convs: list[Conversation]
     for `dflash eval`'s table), data/valid.jsonl (the held-out conversations as samples, for the validation cache),
     data/split.json (counts, per source too). self_convs: the `self` source's conversations when it is one of the
     sources (dflash/recipes/self_prompts.py; its turns equal to a held-out source's prompt are dropped: that source
-    stays never
-    trained on), self_record its record. Deterministic: a rerun writes the same files."""
+    stays never trained on), self_record its record. Deterministic: a rerun writes the same files."""
     d = os.path.join(workdir, "data")
     os.makedirs(d, exist_ok=True)
     heldout = load_source(recipe.heldout_source) if recipe.heldout_source else None
