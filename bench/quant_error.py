@@ -79,12 +79,12 @@ def real_hidden(args) -> tuple[torch.Tensor, list[int], str]:
 
     target = args.target
     if target is None:
-        from dflash.demo import smollm2_gguf
+        from dflash.recipes.assets import smollm2_gguf
 
         target = convert_gguf(smollm2_gguf(), os.path.join(args.workdir, "smollm2-target"))
     data = args.data
     if data is None:
-        from dflash.demo import chitchat_conversations, write_jsonl
+        from dflash.recipes.cpu import chitchat_conversations, write_jsonl
 
         os.makedirs(args.workdir, exist_ok=True)
         data = os.path.join(args.workdir, "chitchat.jsonl")

@@ -51,7 +51,9 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here (default: WORKDIR/tau-quant.json only)")
     a = ap.parse_args(argv)
 
-    from dflash.demo import DemoConfig, _regenerate, prepare_data, smollm2_gguf
+    from dflash.recipes.assets import smollm2_gguf
+    from dflash.recipes.cpu import _regenerate, prepare_data
+    from dflash.recipes.demo import DemoConfig
     from dflash.extract.run import ExtractConfig, run_extract
     from dflash.core.target import convert_gguf
     from dflash.train.eval import EvalConfig, run_eval

@@ -2,7 +2,8 @@
 
 Packages, top to bottom (imports point down only):
 
-    dflash.cli, dflash.demo, dflash.demo_gpu   the commands; the only modules that import the stages
+    dflash.cli, dflash.recipes                  the commands and `dflash demo`'s recipes: the only modules that import
+                                                the stages
     dflash.extract   (folder extract/)          stage 1: chat data -> packed rows -> frozen target -> cache
     dflash.train     (folder train/)            stage 2: drafter model, compiled step, trainer, eval
     dflash.core                                 shared by both stages: config, dist, errors, paths, target

@@ -36,7 +36,7 @@ from dflash.core.paths import (
     path_form,
     path_forms,
 )
-from dflash.demo import CPU_SIZES, DemoConfig, run_demo
+from dflash.recipes.demo import CPU_SIZES, DemoConfig, cpu_demo_time, run_demo
 from dflash_cache.lock import OutputLock
 
 
@@ -349,6 +349,8 @@ def pipeline(**kw):
 @option("--ngram-max", type=int, help="Longest n-gram for the prompt-lookup baseline.")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
+@option("--threads", type=int, help="Intra-op CPU threads while decoding.",
+        default_text="1 on a CPU ($OMP_NUM_THREADS when set); on a GPU left as they are")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @option("--json", "json_out", help="Write the full report here: target, dflash and ngram each with tau, speedup, identical, per-prompt tau, "
              "histograms and timings; sets and categories likewise (schema dflash.eval/1, every key described in "
@@ -411,6 +413,8 @@ def eval_cmd(preset, no_progress, **flags):
         default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
+@option("--threads", type=int, help="Intra-op CPU threads while decoding.",
+        default_text="1 on a CPU ($OMP_NUM_THREADS when set); on a GPU left as they are")
 @option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 0,1,2,3).")
 @option("--json", "json_out", help="Also write the run summary to this JSON file.")
 @option("--no-progress", is_flag=True, help="No progress bar.")
@@ -466,6 +470,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
         default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
+@option("--threads", type=int, help="Intra-op CPU threads while decoding.",
+        default_text="1 on a CPU ($OMP_NUM_THREADS when set); on a GPU left as they are")
 @option("--json", "json_out", help="Also write the record (settings, counts, seconds) to this JSON file.")
 @option("--no-progress", is_flag=True, help="No progress bar.")
 def prompts(preset, json_out, no_progress, **flags):
@@ -551,7 +557,16 @@ def check(drafter):
     _check_drafter(drafter)
 
 
-@main.command()
+@main.command(help=f"""Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
+
+    Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
+    hidden states, train a small drafter, and measure it by speculative decoding against n-gram
+    prompt lookup on held-out prompts. The CPU recipe took {cpu_demo_time()} on an idle 2-core CPU (every
+    stage is CPU-bound: longer with fewer free cores); the GPU recipe (configs/demo-gpu.yaml: user turns the target
+    writes itself, chitchat and three other sources, all answered by the target, MT-Bench kept out as the
+    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 min on one
+    H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
+    """)
 @click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="cpu: the 2-core recipe; gpu: ~68k samples of five sources on one GPU (configs/demo-gpu.yaml); "
                    "auto: gpu when CUDA is available.")
@@ -566,16 +581,6 @@ def check(drafter):
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 def demo(no_progress, **kw):
-    """Run the whole pipeline on the built-in real model: SmolLM2-135M-Instruct + chitchat.
-
-    Prepare the target (bundled GGUF -> bf16 folder), regenerate replies with the target, extract
-    hidden states, train a small drafter, and measure it by speculative decoding against n-gram
-    prompt lookup on held-out prompts. The CPU recipe takes 6-9 minutes on an idle 2-core CPU (every
-    stage is CPU-bound: ~25 on a loaded one); the GPU recipe (configs/demo-gpu.yaml: user turns the target writes
-    itself, chitchat and three other sources, all answered by the target, MT-Bench kept out as the
-    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 on one
-    H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
-    """
     kw = path_forms(kw)
     check_output_dir(kw.get("workdir"), "workdir")
     if kw.get("device") not in (None, "auto"):  # before minutes of preparation, not at the first stage that uses it

@@ -107,11 +107,12 @@ def argv_without_gpus(argv: list[str]) -> list[str]:
     return out
 
 
-# Where a command's option shows its default in --help: the config dataclass of the command (imported only
-# when help is rendered: it loads torch), so a default changed there shows here.
+# Where a command's option shows its default in --help: the config dataclass of the command, read from its module's
+# source (config_fields: the stage modules load torch, ~3 s, which --help never does), so a default changed there
+# shows here.
 COMMAND_CONFIGS = {
     "extract": ("dflash.extract.run", "ExtractConfig"),
-    "train": ("dflash.train.trainer", "TrainConfig"),
+    "train": ("dflash.train.config", "TrainConfig"),
     "eval": ("dflash.train.eval", "EvalConfig"),
     "regenerate": ("dflash.extract.regenerate", "RegenerateConfig"),
     "prompts": ("dflash.extract.prompts", "PromptsConfig"),
@@ -119,10 +120,50 @@ COMMAND_CONFIGS = {
 
 
 def command_config(command: str):
+    """The command's config dataclass itself (imports its stage module: torch)."""
     import importlib
 
     module, name = COMMAND_CONFIGS[command]
     return getattr(importlib.import_module(module), name)
+
+
+@functools.lru_cache(maxsize=None)
+def config_fields(command: str) -> tuple[dict, frozenset]:
+    """(field -> default, required fields) of the command's config dataclass, read from its module's source with ast,
+    without importing it. A default is the field's literal value (or a module constant's); one that is not a literal
+    (a default_factory, a call, an expression) is dataclasses.MISSING, as a default_factory is in dataclasses.fields.
+    Required: the fields its __post_init__ checks with `check(bool(self.NAME), "NAME", "is required ...")`."""
+    import ast
+    import dataclasses
+    import importlib.util
+
+    module, name = COMMAND_CONFIGS[command]
+    origin = importlib.util.find_spec(module).origin  # imports the stage package's __init__ only (no torch)
+    with open(origin, encoding="utf-8") as f:
+        tree = ast.parse(f.read(), origin)
+    constants = {t.id: node.value for node in tree.body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name)
+
+    def literal(node):
+        node = constants.get(node.id, node) if isinstance(node, ast.Name) else node
+        try:
+            return ast.literal_eval(node)
+        except ValueError:
+            return dataclasses.MISSING
+
+    defaults, required = {}, set()
+    for stmt in cls.body:
+        if isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name) and "ClassVar" not in ast.unparse(
+                stmt.annotation):
+            defaults[stmt.target.id] = dataclasses.MISSING if stmt.value is None else literal(stmt.value)
+        elif isinstance(stmt, ast.FunctionDef) and stmt.name == "__post_init__":
+            for call in ast.walk(stmt):
+                if (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "check" and len(call.args) >= 3
+                        and ast.unparse(call.args[0]).startswith("bool(self.")
+                        and isinstance(call.args[2], ast.Constant) and str(call.args[2].value).startswith("is required")):
+                    required.add(ast.literal_eval(call.args[1]))
+    return defaults, frozenset(required)
 
 
 def format_default(value) -> str | None:
@@ -136,8 +177,9 @@ def format_default(value) -> str | None:
 
 class ConfigOption(click.Option):
     """A command option whose `[default: ...]` is its config field's dataclass default (the field of the same
-    name in COMMAND_CONFIGS[command]); `default_text` replaces it where the default is a rule ('auto', None
-    or 0 resolved at run time: "bf16 on GPU, fp32 on CPU"). Plain flags (--overwrite) show no default."""
+    name in COMMAND_CONFIGS[command], config_fields); `default_text` replaces it where the default is a rule ('auto',
+    None or 0 resolved at run time: "bf16 on GPU, fp32 on CPU"). Plain flags (--overwrite) show no default. A field
+    the config requires shows `required` (given here or by the command's --config preset)."""
 
     def __init__(self, *args, default_text: str | None = None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -147,10 +189,7 @@ class ConfigOption(click.Option):
         """The dataclass default of this option's field (dataclasses.MISSING if there is none)."""
         import dataclasses
 
-        for f in dataclasses.fields(command_config(command)):
-            if f.name == self.name:
-                return f.default  # MISSING for a default_factory: shown as nothing
-        return dataclasses.MISSING
+        return config_fields(command)[0].get(self.name, dataclasses.MISSING)
 
     def shown_default(self, command: str) -> str | None:
         import dataclasses
@@ -164,9 +203,13 @@ class ConfigOption(click.Option):
 
     def get_help_extra(self, ctx):
         extra = super().get_help_extra(ctx)
+        if ctx.command.name not in COMMAND_CONFIGS:
+            return extra
         shown = self.shown_default(ctx.command.name)
         if shown is not None:
             extra["default"] = shown
+        if self.name in config_fields(ctx.command.name)[1]:
+            extra["required"] = "required"
         return extra
 
 

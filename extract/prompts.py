@@ -6,8 +6,9 @@ everything else. An instruction-tuned target, given its chat template up to wher
 sampled, writes a user turn of the kind it was tuned on (the "pre-query template" of Magpie, Xu et al. 2024): a
 free source of prompts as varied as the target's own tuning data. `dflash prompts` samples --num such turns and
 keeps those that ended on their own within --max-new-tokens, are not empty and are distinct; `dflash regenerate
---data OUT` then answers them with the target. In the GPU recipe half the samples are such turns (dflash/demo_self.py
-uses this module): MT-Bench tau 1.76 against 1.48 without them (BENCHMARKS.md, "GPU recipe").
+--data OUT` then answers them with the target. In the GPU recipe half the samples are such turns
+(dflash/recipes/self_prompts.py uses this module): MT-Bench tau 1.76 against 1.48 without them (BENCHMARKS.md,
+"GPU recipe").
 
     dflash prompts --target T --out P --num 50000 && dflash regenerate --target T --data P --out A
 
@@ -178,11 +179,13 @@ class PromptsConfig:
     overwrite: bool = False
     device: str = "auto"
     target_graph: bool | None = None  # None: the target decodes in CUDA graphs on a GPU where it can (slot_engine)
+    threads: int = 0  # intra-op CPU threads; 0: 1 on a CPU (or $OMP_NUM_THREADS), untouched on CUDA (core/threads.py)
     progress: bool = True
 
     def __post_init__(self):
         check(bool(self.target), "target", "is required (a local HF model directory or .gguf file)")
         check(bool(self.out), "out", "is required (a directory for the prompts)")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
         check(self.num >= 1, "num", f"must be >= 1, got {self.num}")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check(math.isfinite(self.temperature) and self.temperature > 0, "temperature",
@@ -270,8 +273,11 @@ def run_prompts(cfg: PromptsConfig) -> dict[str, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("dflash prompts runs as one process: start it without torchrun (sampling a few "
                           "thousand turns is short next to answering them)")
+    from dflash.core.threads import decode_threads
+
     with output_lock(cfg.out, "prompts", True, precheck=lambda out: check_out(out, cfg.overwrite)):
-        return _run(cfg)
+        with decode_threads(cfg.threads, cfg.device):
+            return _run(cfg)
 
 
 def _run(cfg: PromptsConfig) -> dict[str, Any]:

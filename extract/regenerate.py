@@ -44,6 +44,7 @@ from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.core.paths import output_lock
 from dflash.core.target import TargetError, load_causal_lm, load_config, load_tokenizer, target_info, text_config
+from dflash.core.threads import decode_threads
 from dflash.core.weights import fingerprint
 
 from .data import ChatTokenizer, tokenizer_fingerprint
@@ -112,6 +113,7 @@ class RegenerateConfig:
     # the target's decode step as CUDA graphs over a static KV cache (extract/slot_engine.py); None: on a GPU where
     # the model allows it, else the eager engine (extract/generate.py)
     target_graph: bool | None = None
+    threads: int = 0  # intra-op CPU threads; 0: 1 on a CPU (or $OMP_NUM_THREADS), untouched on CUDA (core/threads.py)
     progress: bool = True
 
     def __post_init__(self):
@@ -128,6 +130,7 @@ class RegenerateConfig:
         check(self.batch_size >= 0, "batch_size", f"must be >= 1 (or 0 for the default), got {self.batch_size}")
         check(self.max_batch_tokens >= 0, "max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         check(self.prefill_tokens >= 0, "prefill_tokens", f"must be >= 0, got {self.prefill_tokens}")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.turns in ("all", "last"), "turns", f"must be all or last, got {self.turns!r}")
 
@@ -187,7 +190,8 @@ def run_regenerate(cfg: RegenerateConfig) -> dict[str, Any]:
     dist = compute_init(cfg.device)
     with output_lock(cfg.out, "regenerate", dist.is_main,
                      precheck=lambda out: check_out(out, cfg.overwrite)):  # one writer per OUT
-        return _run_regenerate(cfg, dist)
+        with decode_threads(cfg.threads, str(dist.device)):
+            return _run_regenerate(cfg, dist)
 
 
 def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
@@ -370,17 +374,20 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         eng.add(Request(ids, cfg.max_new_tokens, key=(p, c), rng_key=rng_key(seed, c.row, c.next),
                         priority=(p, -len(ids), c.row)))
 
-    # The bar counts the token budget, max_new_tokens per assistant turn to write: every generated token, and a
-    # turn's unused budget when it ends. Its rate is steady under batching, where conversations end in waves (a bar
-    # of conversations waits minutes for the first one and once showed a 6-hour ETA for a 5-minute stage).
+    # The bar counts the tokens generated; its total is their number estimated as turns end (GeneratedTokens: a bar
+    # of the token budget added nothing until the first turns ended, and its first ETA was 18.6x too long; one of
+    # conversations waits minutes for the first one). The postfix gives the budget's rate beside the real one.
     turns = sum(len(c.turns) for st in parts.values() for c in st["convs"])
     convs = sum(len(st["convs"]) for st in parts.values())
-    bar = progress.bar(show, total=turns * cfg.max_new_tokens, unit="tok", unit_scale=True, desc="regenerate")
+    estimate = progress.GeneratedTokens(turns, cfg.max_new_tokens)
+    bar = progress.bar(show, total=turns * cfg.max_new_tokens, unit="tok", unit_scale=True,
+                       desc="regenerate (generated tokens, total estimated)")
     queue = list(todo)
     t0 = time.perf_counter()
     gen0 = seen = eng.generated
     last_post = 0.0
     ended = 0
+    turns_ended = turns_at_eos = ended_tokens = budget_done = 0
 
     def commit(p: int) -> None:
         st = parts.pop(p)
@@ -402,7 +409,14 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
             if not eng.busy:
                 break
             results = eng.step()
-            bar.update(eng.generated - seen + sum(max(0, cfg.max_new_tokens - r.generated) for r in results))
+            turns_ended += len(results)
+            turns_at_eos += sum(not r.truncated for r in results)
+            ended_tokens += sum(r.generated for r in results)
+            budget_done += sum(max(0, cfg.max_new_tokens - r.generated) for r in results)
+            estimate.update(eng.generated - gen0, turns_ended, turns_at_eos, len(eng.rows),
+                            eng.generated - gen0 - ended_tokens)
+            bar.total = estimate.total()
+            bar.update(eng.generated - seen)
             seen = eng.generated
             for res in results:
                 p, c = res.key
@@ -430,8 +444,10 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                     commit(p)
             now = time.perf_counter()
             if show and (now - last_post > 1.0 or not eng.busy):
-                bar.set_postfix_str(f"{ended}/{convs} conv, {(eng.generated - gen0) / max(now - t0, 1e-9):,.0f} "
-                                    f"tok/s, batch {len(eng.rows)}", refresh=False)
+                secs = max(now - t0, 1e-9)
+                bar.set_postfix_str(f"{ended}/{convs} conv, {(eng.generated - gen0) / secs:,.0f} real tok/s, "
+                                    f"{(eng.generated - gen0 + budget_done) / secs:,.0f} budget slots/s, batch "
+                                    f"{len(eng.rows)}", refresh=False)
                 last_post = now
     finally:
         bar.close()

@@ -34,6 +34,7 @@ def _batch(R=2, T=64):
     return ids, pos, doc
 
 
+@pytest.mark.cxx
 def test_compiled_equals_eager_float32(tiny):
     target = PackedTarget(tiny[0], [1, 3, 5], device="cpu", dtype=torch.float32, attn="sdpa")
     runner, report = ec.compiled_or_eager(target, _batch())
@@ -87,6 +88,7 @@ def test_a_wrong_compiled_forward_is_caught_and_the_run_continues_eagerly(tiny, 
         assert a.commits[s]["crc32"] == b.commits[s]["crc32"], f"shard {s} differs from the eager run's"
 
 
+@pytest.mark.cxx
 def test_flex_attention_runs_outside_the_compiled_graph(tiny):
     """With the flex document mask, the compiled target keeps each layer's attention out of its graph (one graph
     break per layer: HF's own flex call, as in eager) and still equals eager in float32; the eager path through
@@ -116,6 +118,7 @@ def test_flex_attention_runs_outside_the_compiled_graph(tiny):
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
+@pytest.mark.cxx
 def test_capture_hooks_compile_nothing_with_split_attention(tiny):
     """With attention outside the graph every layer is its own frame, and so would be each capture hook,
     specialised on its layer index (on the H200 the five hooks ran into dynamo's recompile limit). They run

@@ -16,7 +16,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.core.config import ConfigError
-from dflash.demo_gpu import FollowingTrainer, follower_args, run_gpu_demo
+from dflash.recipes.gpu import run_gpu_demo
+from dflash.recipes.gpu_stages import FollowingTrainer, follower_args
 from tests.test_demo_gpu_recipe import TINY_RECIPE
 from tests.tiny import make_tiny_target
 

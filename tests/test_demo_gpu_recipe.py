@@ -1,4 +1,4 @@
-"""The GPU recipe's data preparation (dflash/demo_gpu.py) and its preset, on CPU, without a GPU:
+"""The GPU recipe's data preparation (dflash/recipes/gpu.py) and its preset, on CPU, without a GPU:
 
   * the split is by conversation, deterministic, ~heldout_percent; no conversation is on both sides;
   * every user turn of a training conversation is kept with its history (one multi-turn sample), up to
@@ -15,8 +15,9 @@ import sys
 
 import pytest
 
-from dflash.demo_gpu import (GpuRecipe, as_messages, dialogues, eval_prompts, is_heldout, load_recipe, split_data,
-                             training_sample)
+from dflash.recipes.gpu_config import GpuRecipe, load_recipe
+from dflash.recipes.mix import eval_prompts, is_heldout, split_data, training_sample
+from dflash.recipes.sources import as_messages, dialogues
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -176,7 +177,7 @@ def test_cli_refuses_a_cpu_only_flag_for_the_gpu_recipe(tmp_path):
 
 
 def test_demo_config_resolves_the_recipe_and_keeps_the_cpu_sizes():
-    from dflash.demo import CPU_SIZES, DemoConfig
+    from dflash.recipes.demo import CPU_SIZES, DemoConfig
 
     c = DemoConfig(recipe="cpu").cpu()
     assert (c.train_prompts, c.eval_prompts, c.train_steps, c.drafter_layers) == tuple(
@@ -227,7 +228,7 @@ def test_the_recipe_end_to_end_on_cpu_with_a_held_out_validation_cache(tmp_path,
     summary carries its figures; a rerun resumes every stage. history "dataset": one sample per user turn, only
     its answer the target's (the earlier ones kept, weight 0, not trained on)."""
     import dflash_cache
-    from dflash.demo_gpu import run_gpu_demo
+    from dflash.recipes.gpu import run_gpu_demo
     from tests.tiny import make_tiny_target
 
     preset = tmp_path / "tiny.yaml"

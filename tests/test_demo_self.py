@@ -1,4 +1,4 @@
-"""The GPU recipe's `self` source (dflash/demo_self.py): user turns sampled from the target after its chat
+"""The GPU recipe's `self` source (dflash/recipes/self_prompts.py): user turns sampled from the target after its chat
 template's user header, then answered by the target like every other source's prompts.
 
   * the prefix is the template up to the user's words (SmolLM2's: its default system prompt, then the user header);
@@ -16,10 +16,11 @@ import os
 import pytest
 
 from dflash.core.config import ConfigError
-from dflash.demo_gpu import GpuRecipe, prepare_data
-from dflash.demo_self import self_prompts
+from dflash.recipes.gpu_config import GpuRecipe
+from dflash.recipes.mix import prepare_data
+from dflash.recipes.self_prompts import self_prompts
 from dflash.extract.prompts import MARKER, keep, prefix_of, sample
-from dflash.demo_sources import Conversation, as_messages
+from dflash.recipes.sources import Conversation, as_messages
 from tests.tiny import make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer
 
 
@@ -103,7 +104,7 @@ def test_the_real_target_writes_distinct_user_requests(tmp_path):
 
 
 def test_prepare_data_drops_self_turns_equal_to_a_held_out_source_prompt(tmp_path):
-    from dflash.demo_sources import load_source
+    from dflash.recipes.sources import load_source
 
     mt = load_source("mt_bench")
     same = "  " + mt[5].messages[0]["content"].upper() + " "  # equal but for case and spacing
@@ -121,7 +122,7 @@ def test_prepare_data_drops_self_turns_equal_to_a_held_out_source_prompt(tmp_pat
 
 
 def test_the_recipe_end_to_end_with_self_prompts_beside_chitchat(tiny, tmp_path, capsys):
-    from dflash.demo_gpu import run_gpu_demo
+    from dflash.recipes.gpu import run_gpu_demo
     from tests.test_demo_gpu_recipe import TINY_RECIPE
 
     preset = tmp_path / "tiny.yaml"

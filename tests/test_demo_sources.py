@@ -1,5 +1,5 @@
-"""The demo's data sources (dflash/demo_sources.py) on the real files their packages ship, and the GPU recipe's
-mix of them (dflash/demo_gpu.py: mix_sources, prepare_data, the summary's bars):
+"""The demo's data sources (dflash/recipes/sources.py) on the real files their packages ship, and the GPU recipe's
+mix of them (dflash/recipes/gpu.py: mix_sources, prepare_data, the summary's bars):
 
   * every converter turns its package's real file into alternating user / assistant conversations, as many as the
     data has, with the data's categories; repeated prompts are dropped; a missing package names its install;
@@ -17,10 +17,11 @@ import os
 import pytest
 
 from dflash.core.config import ConfigError
-from dflash.demo_gpu import (BARS, GpuRecipe, bars, dialogues, format_summary, interleave, is_heldout, mix_sources,
-                             prepare_data, repeat_to, shares_of, split_data)
-from dflash.demo_sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, ifbench, load_source,
-                                 mt_bench, source_path)
+from dflash.recipes.gpu_config import BARS, GpuRecipe
+from dflash.recipes.mix import interleave, is_heldout, mix_sources, prepare_data, repeat_to, shares_of, split_data
+from dflash.recipes.sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, dialogues, ifbench,
+                                    load_source, mt_bench, source_path)
+from dflash.recipes.summary import bars, format_gpu_summary
 from tests.tiny import installed
 
 MISSING = [s.pip for s in SOURCES.values() if not installed(s.module)]
@@ -213,7 +214,7 @@ def test_bars_read_the_in_source_and_out_of_source_sets():
 def test_the_recipe_end_to_end_with_a_mix_and_an_out_of_source_set(tmp_path, capsys):
     """run_gpu_demo on a tiny random target with two training sources and MT-Bench held out: the data, the eval
     of both sets (JSON and printed table) and the summary's lines."""
-    from dflash.demo_gpu import run_gpu_demo
+    from dflash.recipes.gpu import run_gpu_demo
     from tests.test_demo_gpu_recipe import TINY_RECIPE
     from tests.tiny import make_tiny_target
 
@@ -240,15 +241,16 @@ def test_the_recipe_end_to_end_with_a_mix_and_an_out_of_source_set(tmp_path, cap
     for line in ("out-of-source", "  roleplay", "  humaneval", "all prompts", "training mix", "tau dflash / n-gram, "
                  "out-of-source", "4 of mt_bench, never trained on"):
         assert line in out, line
-    assert format_summary(s) in out
+    assert format_gpu_summary(s) in out
 
 
 def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitchat(tmp_path):
     from dataclasses import replace
 
-    from dflash.demo import DemoConfig, eval_figures
-    from dflash.demo import format_summary as cpu_summary
-    from dflash.demo import prepare_data as cpu_data
+    from dflash.recipes.cpu import prepare_data as cpu_data
+    from dflash.recipes.demo import DemoConfig
+    from dflash.recipes.summary import eval_figures
+    from dflash.recipes.summary import format_cpu_summary as cpu_summary
     from dflash.train.decode import Decode
     from dflash.train.eval import groups
 

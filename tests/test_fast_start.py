@@ -40,6 +40,7 @@ def test_even_chunk():
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_regions_step_equals_eager_and_compiles_the_chunk_once(monkeypatch):
     import dflash.train.loss as loss
     from dflash.train.compile_step import compile_step

@@ -423,6 +423,7 @@ def test_training_from_fp8_and_fp4_caches(env, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_compiled_equals_eager_on_an_fp8_cache(env, tmp_path):
     eager = train(env, "fp8", tmp_path / "eager", compile="off", steps=3)
     comp = train(env, "fp8", tmp_path / "comp", compile="on", steps=3)

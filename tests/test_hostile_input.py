@@ -516,7 +516,7 @@ def test_gpu_recipe_preset_values_are_typed(tmp_path):
     """The demo's GPU recipe section is read like the stages' sections (before: a word for a number was a TypeError
     traceback in its checks, and 5e0 a string)."""
     from dflash.core.config import ConfigError
-    from dflash.demo_gpu import load_recipe
+    from dflash.recipes.gpu_config import load_recipe
 
     with pytest.raises(ConfigError, match=r"--max-turns expects an integer.*set by --config"):
         load_recipe(str(preset(tmp_path, "recipe: {max_turns: many}\n")))

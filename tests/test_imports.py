@@ -1,6 +1,6 @@
 """Imports point one way (DESIGN.md section 2): the commands on top, the two stages, the bottom, the cache.
 
-    dflash.cli, dflash.demo, dflash.demo_gpu     may import everything below
+    dflash.cli, dflash.pipeline, dflash.recipes  may import everything below
     dflash.extract   |   dflash.train             import dflash.core and dflash_cache, never each other
     dflash.core                                   imports dflash_cache only (no stage, no command)
     dflash_cache                                  imports nothing of dflash
@@ -25,8 +25,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 STAGES = {"extract": REPO / "extract", "train": REPO / "train"}
-COMMANDS = {"dflash.cli", "dflash.cli_options", "dflash.demo", "dflash.demo_gpu", "dflash.demo_assets",
-            "dflash.__main__", "dflash.pipeline", "dflash.demo_sources", "dflash.demo_stages", "dflash.demo_self"}
+RECIPES = REPO / "dflash" / "recipes"
+# the command layer: the CLI, the pipeline and every module of dflash.recipes (`dflash demo`)
+COMMANDS = {"dflash.cli", "dflash.cli_options", "dflash.__main__", "dflash.pipeline", "dflash.recipes",
+            *("dflash.recipes." + p.stem for p in RECIPES.glob("*.py") if p.stem != "__init__")}
 
 
 def _modules(package: str, folder: Path) -> list[str]:

@@ -290,6 +290,7 @@ def test_gradients_reach_drafter_not_target_head():
         assert p.grad.abs().sum() > 0, n
 
 
+@pytest.mark.cxx
 def test_compiles_without_graph_breaks():
     """fullgraph=True fails on .item(), nonzero or data-dependent shapes in the training forward."""
     m = tiny()
@@ -440,6 +441,7 @@ def test_flex_block_mask_equals_create_block_mask(R, T, N, B, window):
         assert int(mine.full_kv_num_blocks.sum()) > 0
 
 
+@pytest.mark.cxx
 def test_flex_block_mask_compiled_equals_eager():
     """Traced into a compiled graph (the step's case: mask_mod broadcast over the grid, the indices from the opaque
     op), the BlockMask's tensors equal the eager ones."""

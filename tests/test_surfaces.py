@@ -83,7 +83,7 @@ def test_every_preset_builds_every_section(name):
     assert set(doc) <= known, f"{name}: unknown section(s) {sorted(set(doc) - known)}"
     for sec, values in doc.items():
         if sec == "recipe":
-            from dflash.demo_gpu import load_recipe
+            from dflash.recipes.gpu_config import load_recipe
 
             cfg = load_recipe(name)
         else:

@@ -215,6 +215,7 @@ def test_cli_run_writes_run_metrics_checkpoints_summary_and_servable_final(env, 
 
 
 @pytest.mark.slow
+@pytest.mark.cxx
 def test_compiled_matches_eager_with_no_recompiles(env, tmp_path, monkeypatch):
     # an inductor cache of its own: one warmed by an earlier run would build nothing (and time no inductor phase)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))

@@ -53,6 +53,7 @@ import torch
 from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check, finite
+from dflash.core.threads import decode_threads
 from dflash.core.dist import compute_init, resolve_dtype
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text_config
 
@@ -88,6 +89,7 @@ class EvalConfig:
     # the target's steps (alone, and the verify of a block) as CUDA graphs over a static KV cache (train/verify.py
     # StaticTarget), as serving engines run it; None: on a GPU where the model allows it, else the HF forward
     target_graph: bool | None = None
+    threads: int = 0  # intra-op CPU threads; 0: 1 on a CPU (or $OMP_NUM_THREADS), untouched on CUDA (core/threads.py)
     progress: bool = True
 
     def __post_init__(self):
@@ -101,6 +103,7 @@ class EvalConfig:
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", "must be auto, bfloat16 or float32")
         check(self.warmup_prompts >= 0, "warmup_prompts", "must be >= 0")
         check(finite(self.tie_margin) and self.tie_margin >= 0, "tie_margin", "must be a finite number >= 0")
+        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -300,6 +303,11 @@ def static_target(cfg: EvalConfig, model, layer_ids: list[int], max_len: int, bl
 
 
 def run_eval(cfg: EvalConfig) -> dict[str, Any]:
+    with decode_threads(cfg.threads, cfg.device):
+        return _run_eval(cfg)
+
+
+def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
 
     dev = compute_init(cfg.device).device
     dtype = resolve_dtype(cfg.dtype, dev)

@@ -5,5 +5,5 @@ checks, output lock), weights (fingerprints, role checks), target (Hugging Face 
 layers, hidden-state capture, GGUF conversion), layers (which target layers a drafter reads), chat (chat
 datasets -> lists of messages, eos ids), io (atomic writes, short content hashes). `dflash.extract` and
 `dflash.train` import from here and from `dflash_cache`, never from each other; only the CLI and the demo
-(dflash/cli.py, dflash/demo*.py) import the stages.
+(dflash/cli.py, dflash/recipes/) import the stages.
 """

@@ -22,7 +22,7 @@ problems; mt_bench: MT-Bench's 80 two-turn questions, 10 in each of 8 categories
 evaluation package).
 
 One more source needs no package: `self`, user turns the target writes itself after its chat template's user header
-(dflash/demo_self.py), sampled by the GPU recipe before its data stage.
+(dflash/recipes/self_prompts.py), sampled by the GPU recipe before its data stage.
 
 Each converter takes the file's parsed content (so tests can feed it the real file or a few rows) and returns the
 conversations; a missing package is a FileNotFoundError that says what to install (`make venv` installs them all).

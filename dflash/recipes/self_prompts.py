@@ -29,7 +29,7 @@ import time
 from typing import Any
 
 from dflash.core.io import atomic_json, atomic_jsonl
-from dflash.demo_sources import Conversation, as_messages
+from dflash.recipes.sources import Conversation, as_messages
 
 NAME = "self"  # the source's name in the recipe's `sources`
 RECORD, PROMPTS = "self-prompts.json", "self-prompts.jsonl"

@@ -1,4 +1,4 @@
-"""What `dflash demo` adds around its stages (both recipes, dflash/demo.py and dflash/demo_gpu.py):
+"""What `dflash demo` adds around its stages (both recipes, dflash/recipes/demo.py and dflash/recipes/gpu.py):
 
   * a line as each stage starts, with its place and its expected share of the demo's time
     ("demo: [3/5] extract  (~11% of the demo)"): StagePlan, from measured seconds per stage;
@@ -54,7 +54,8 @@ def now_stamp() -> str:
     return time.strftime("%Y-%m-%d %H:%M")
 
 
-def _read(path: str) -> dict | None:
+def read_dict(path: str) -> dict | None:
+    """The JSON object in the file at path, or None (missing, unreadable, not JSON, or JSON but not an object)."""
     try:
         with open(path) as f:
             doc = json.load(f)
@@ -68,10 +69,10 @@ def stored_result(summary_path: str, request: dict[str, Any], key: str,
     """(summary, eval reports) of a finished demo made with the same settings, or None (run the demo). Finished: the
     summary exists, its `key` entry equals `request` (the settings that make the result; a summary written before
     they were recorded is not taken as finished) and every eval report in `reports` (paths) can be read."""
-    summary = _read(summary_path)
+    summary = read_dict(summary_path)
     if summary is None or summary.get(key) != json.loads(json.dumps(request)):
         return None
-    evals = [_read(p) for p in reports]
+    evals = [read_dict(p) for p in reports]
     if any(e is None for e in evals):
         return None
     return summary, evals

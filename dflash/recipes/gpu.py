@@ -1,0 +1,201 @@
+"""The GPU recipe of `dflash demo`: SmolLM2-135M-Instruct + user turns it writes itself and the user turns of
+chitchat and three other packaged datasets (configs/demo-gpu.yaml's `sources`), on one CUDA GPU.
+
+Sizes and hyper-parameters live in the preset configs/demo-gpu.yaml (one section per stage, read with
+dflash.core.config like every preset; flags of `dflash demo` override a few). Stages, each resumed when rerun
+into the same workdir:
+
+    prepare target (bundled GGUF -> bf16 folder)
+    -> self prompts (only when `self` is one of the sources: user turns sampled from the target,
+       dflash/recipes/self_prompts.py)
+    -> data: chitchat conversations split by conversation (a hash of its id: heldout_percent held out);
+       history "target": each training conversation becomes ONE multi-turn `messages` sample (turns alternate
+       user / assistant, the first turn is the user's), cut to max_turns messages, ending on an assistant turn,
+       every answer regenerated after the target's own earlier ones; history "dataset": one sample per answered
+       user turn, the history as chitchat has it, only its answer regenerated (`regenerate --turns last`, the
+       kept answers marked weight 0: context, not trained on). The eval prompts are held-out histories up to a
+       user turn, at varied turn positions; the held-out conversations, cut the same way, make the validation set.
+       With several `sources` (dflash/recipes/sources.py: chat and instruction datasets shipped in packages), each
+       is split so and their samples mixed by fixed shares (mix_sources); the in-source eval prompts come from every
+       source's held-out conversations, and a `heldout_source` kept whole out of training (MT-Bench) gives the
+       out-of-source prompts, beside them in the same eval (rows labelled `set` and `category`). The source `self`
+       (dflash/recipes/self_prompts.py) is user turns the target writes itself, sampled in a stage of its own before
+       this one
+    -> regenerate the answers with the target (large batch)
+    -> extract the hidden states (and the validation set's, for train's --val-cache) -> train (compiled CUDA-graph
+       step, held-out loss and decoding tau at every checkpoint)
+    -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
+
+Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json (and data/self-prompts.json{,l}),
+regenerated/, regenerated-valid/, cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json),
+summary.json (the JSON summary, with the bars checked), time.json (the wall time of every run on the workdir: the
+time from nothing across resumes), caches/ (the tokenise, datasets and matplotlib caches: nothing is written outside
+the workdir). Each stage prints its line with its expected share of the time as it starts; a rerun of a finished demo
+prints the stored result and changes nothing (dflash/recipes/stages.py).
+
+Files: gpu_config.py (the preset's `recipe` section, the bars), mix.py (the data stage: split and mix),
+gpu_stages.py (the stages), summary.py (the summary's figures and table); this module runs them in order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from typing import Any
+
+from dflash.core.config import read_preset
+from dflash.core.io import atomic_json
+from dflash.recipes.gpu_config import PRESET, load_recipe
+from dflash.recipes.gpu_stages import FollowingTrainer, WorkTime, follower_args, prepare, train_and_eval
+from dflash.recipes.self_prompts import NAME as SELF
+from dflash.recipes.stages import StagePlan, caches_under, now_stamp, read_dict, show_stored, stored_result, train_rates
+from dflash.recipes.summary import bars, format_gpu_summary, set_summary
+
+
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts
+# and follow: 18 min 45 s with both evals; "train" is what training took after the extraction it ran beside).
+# BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 13.0, "self prompts": 61.0, "data": 4.0, "regenerate": 211.0, "extract": 54.0,
+                     "validation data": 29.0, "train": 465.0, "eval bfloat16": 249.0, "eval float32": 38.0}
+
+
+def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
+    """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override)."""
+    recipe = load_recipe(preset)
+    ref = GPU_STAGE_SECONDS
+    secs = {k: ref[k] for k in ("prepare target", "self prompts", "data", "regenerate")
+            if k != "self prompts" or SELF in recipe.sources}
+    if recipe.validation and recipe.follow:  # the trainer that follows the extraction needs the validation cache
+        secs["validation data"] = ref["validation data"]
+    secs["extract"] = ref["extract"]
+    if recipe.validation and not recipe.follow:
+        secs["validation data"] = ref["validation data"]
+    steps, preset_steps = (train_overrides or {}).get("max_steps"), read_preset(preset, "train").get("max_steps")
+    secs["train"] = ref["train"] * (steps / preset_steps if steps and preset_steps else 1.0)
+    for i, dtype in enumerate(recipe.eval_dtypes):
+        secs[f"eval {dtype}"] = ref.get(f"eval {dtype}", ref["eval bfloat16"] if i == 0 else ref["eval float32"])
+    return StagePlan(secs)
+
+
+def gpu_request(preset: str, device: str, target: str | None, train_overrides: dict | None,
+                eval_prompts: int | None) -> dict[str, Any]:
+    """What makes a GPU demo's result (the preset by name and content, and the arguments that change it): a rerun
+    with the same finds it stored."""
+    from dflash.core.config import resolve_preset
+
+    path = resolve_preset(preset)
+    data = open(path, "rb").read() if isinstance(path, str) else path.read_bytes()
+    return {"preset": preset, "preset_sha256": hashlib.sha256(data).hexdigest(), "device": device, "target": target,
+            "train_overrides": dict(train_overrides or {}), "eval_prompts": eval_prompts}
+
+
+def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
+                 target: str | None = None, train_overrides: dict | None = None,
+                 eval_prompts: int | None = None) -> dict[str, Any]:
+    """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json. A rerun that finds the summary
+    of a finished run with the same request (gpu_request) and its eval reports prints them and writes nothing."""
+    from dflash.train.eval import format_report
+    from dflash.train.run_dir import read_metrics
+
+    workdir = os.path.abspath(workdir)  # every path the stages print is absolute
+    recipe = load_recipe(preset)
+    run, summary_path = os.path.join(workdir, "run"), os.path.join(workdir, "summary.json")
+    request = gpu_request(preset, device, target, train_overrides, eval_prompts)
+    stored = stored_result(summary_path, request, "request",
+                           [os.path.join(run, f"eval-{dtype}.json") for dtype in recipe.eval_dtypes])
+    if stored is not None:
+        summary, reports = stored
+        show_stored("demo", summary_path, summary, workdir,
+                    again=f"delete that file and {run}/eval-*.json to measure again")
+        print()
+        for ev in reports:
+            print(format_report(ev))
+            print()
+        print(format_gpu_summary(summary))
+        return summary
+    plan = gpu_stage_plan(preset, train_overrides)
+    print(f"demo: the GPU recipe ({preset}) in {len(plan.seconds)} stages, about "
+          f"{sum(plan.seconds.values()) / 60:.0f} min on one H200 (as measured for the shipped preset); the first "
+          "training steps compile the step (~40 s)", flush=True)
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    clock = WorkTime(workdir, timings)
+    try:
+        with caches_under(workdir) as tokenize_cache:
+            followers: list[FollowingTrainer] = []
+
+            def start_follower(target_dir: str, cache: str, val_cache: str | None) -> None:
+                followers.append(FollowingTrainer(follower_args(target_dir, cache, val_cache, run, preset, device,
+                                                                train_overrides)))
+
+            try:
+                prep = prepare(workdir, preset, device, progress, target, timings, stages=plan,
+                               tokenize_cache=tokenize_cache, before_extract=start_follower if recipe.follow else None)
+                prep.follower = followers[0] if followers else None
+                out = train_and_eval(prep, run, preset, device, progress, train_overrides, eval_prompts,
+                                     timings=timings, stages=plan)
+            finally:
+                for f in followers:
+                    f.stop()
+    finally:
+        clock.close()
+    tr, evals = out["train"], out["eval"]
+    hist = tr.get("history") or []
+    last = hist[-1] if hist else {}
+    first = next(iter(evals.values()))
+    # a resumed run's own figures cover only what it did: the earlier runs' come from the summary they left
+    # (regeneration, extraction) and from RUN/metrics.jsonl (every logged window of the training, resumes cut it
+    # back to the checkpoint they start from)
+    old = read_dict(os.path.join(workdir, "summary.json")) or {}
+    regen = {k: prep.regen.get(k) for k in ("tokens_per_s_this_rank", "generated_tokens_this_rank",
+                                            "generation_s_this_rank", "engine_this_rank", "counts")} if prep.regen else None
+    if regen and not regen["generated_tokens_this_rank"] and old.get("regenerate"):
+        regen = old["regenerate"]
+    ex_tps = (prep.extract or {}).get("tokens_per_s_this_rank") or old.get("extract_tokens_per_s")
+    records = read_metrics(os.path.join(workdir, "run")) or hist
+    rates = train_rates(records)
+    summary = {
+        "recipe": "gpu", "preset": preset, "request": request, "finished_at": now_stamp(),
+        "target": prep.target, "data": prep.counts,
+        "regenerate": regen,
+        "extract_tokens_per_s": ex_tps,
+        "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
+                  # the run mean after the first window (the warm-up) and the last window, with their steps
+                  "ctx_tokens_per_s": rates["train_tokens_per_s"], "ctx_tokens_per_s_steps": rates[
+                      "train_tokens_per_s_steps"], "ctx_tokens_per_s_last_window": rates[
+                      "train_tokens_per_s_last_window"], "last_window_steps": rates["train_last_window_steps"],
+                  "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"),
+                  "val_tau_expected": (tr.get("val") or {}).get("val_tau_expected"),
+                  "val_loss": (tr.get("val") or {}).get("val_loss"),
+                  # [step, held-out decoding tau, held-out expected tau] at every checkpoint
+                  "val_curve": [[h["step"], h.get("val_tau_decode"), h["val_tau_expected"]]
+                                for h in records if "val_tau_expected" in h]},
+        "eval": {dt: {"tau_dflash": ev["dflash"]["tau"], "tau_ngram": ev.get("ngram", {}).get("tau"),
+                      "tokens_per_s": {"target": ev["target_tokens_per_s"], "dflash": ev["dflash"]["tokens_per_s"],
+                                       "ngram": ev.get("ngram", {}).get("tokens_per_s")},
+                      "speedup_dflash": ev["dflash"]["speedup"], "speedup_ngram": ev.get("ngram", {}).get("speedup"),
+                      "ms_per_step": {"target": ev["target"]["ms_per_step"], "dflash": ev["dflash"]["ms_per_step"]},
+                      "identical": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
+                      "differences": {k: ev["dflash"]["differences"][k] for k in ("differing", "near_tie", "suspect")},
+                      "sets": {k: set_summary(g) for k, g in (ev.get("sets") or {}).items()}}
+                 for dt, ev in evals.items()},
+        "bars": bars(first),
+        "lossless_float32": (evals["float32"]["dflash"]["outputs_identical"] == evals["float32"]["prompts"]
+                             if "float32" in evals else None),
+        "timings_s": timings,
+        # the recipe's follow: the trainer's own wall time, from its start beside the extraction to its end
+        "follow": ({"trainer_wall_s": prep.follower.wall_s, "extract_s": timings.get("extract"),
+                    "train_after_extract_s": timings.get("train")} if prep.follower is not None else None),
+        "wall_s": time.perf_counter() - t0,
+        "all_runs": clock.runs,  # every run of the demo on this workdir, the killed ones too (WORKDIR/time.json)
+        "wall_s_all_runs": sum(r["wall_s"] for r in clock.runs),
+    }
+
+    atomic_json(summary_path, summary)
+    print()
+    for ev in evals.values():
+        print(format_report(ev))
+        print()
+    print(format_gpu_summary(summary))
+    return summary
