@@ -564,8 +564,8 @@ def check(drafter):
     prompt lookup on held-out prompts. The CPU recipe took {cpu_demo_time()} on an idle 2-core CPU (every
     stage is CPU-bound: longer with fewer free cores); the GPU recipe (configs/demo-gpu.yaml: user turns the target
     writes itself, chitchat and three other sources, all answered by the target, MT-Bench kept out as the
-    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) about 19 min on one
-    H200 (14 min from nothing to the trained drafter, measured). Rerun to resume; a finished demo prints its stored result.
+    out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) 13 min 51 s on one
+    H200 from nothing to both evals, measured. Rerun to resume; a finished demo prints its stored result.
     """)
 @click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
               help="cpu: the 2-core recipe; gpu: ~68k samples of five sources on one GPU (configs/demo-gpu.yaml); "

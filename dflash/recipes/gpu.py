@@ -53,11 +53,11 @@ from dflash.recipes.stages import StagePlan, caches_under, now_stamp, read_dict,
 from dflash.recipes.summary import bars, format_gpu_summary, set_summary
 
 
-# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts
-# and follow: 18 min 45 s with both evals; "train" is what training took after the extraction it ran beside).
-# BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
-GPU_STAGE_SECONDS = {"prepare target": 13.0, "self prompts": 61.0, "data": 4.0, "regenerate": 211.0, "extract": 54.0,
-                     "validation data": 29.0, "train": 465.0, "eval bfloat16": 249.0, "eval float32": 38.0}
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts,
+# follow, and the target decoding in CUDA graphs: 13 min 51 s with both evals; "train" is what training took after the
+# extraction it ran beside). BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, "regenerate": 134.0, "extract": 62.0,
+                     "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
