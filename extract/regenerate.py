@@ -276,12 +276,19 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
                    f"{eng['prompt_tokens']:,} prompt tokens ({secs.get('prefill', 0.0):.1f} s); "
                    f"{eng['continued_turns']:,} turns went on in their row ({eng['continuation_tokens']:,} template "
                    f"and user tokens fed, {eng['continuations_refused']:,} refused by the KV budget)")
+            graph = eng.get("target_graph")
+            pad, copies = (("right padding", f"{eng['compactions']:,} moves of rows into lower slots") if graph else
+                           ("left padding", f"stacking prefills beside the batch and {eng['compactions']:,} compactions"))
             print0(f"regenerate: engine work: prefills ran {eng['prefill_columns']:,} columns for "
-                   f"{eng['prompt_tokens']:,} prompt tokens (the rest is left padding); decode steps attended "
+                   f"{eng['prompt_tokens']:,} prompt tokens (the rest is {pad}); decode steps attended "
                    f"{eng['decode_columns']:,} cache columns, {eng['decode_real_columns']:,} of them real tokens "
-                   f"({eng['decode_real_columns'] / max(1, eng['decode_columns']):.0%}); stacking prefills beside the "
-                   f"batch and {eng['compactions']:,} compactions copied {eng['copied_columns']:,} token columns "
+                   f"({eng['decode_real_columns'] / max(1, eng['decode_columns']):.0%}); {copies} copied "
+                   f"{eng['copied_columns']:,} token columns "
                    f"({eng['copied_columns'] * eng['kv_bytes_per_token'] / 1e9:,.1f} GB of KV cache)")
+            if graph:
+                print0(f"regenerate: the decode step as CUDA graphs: {eng['graphs_captured']} captured (batch width x "
+                       f"attended columns), slots of up to {eng['slot_positions']:,} positions; "
+                       f"{eng['overflowed']:,} requests longer than a slot decoded by the eager engine beside it")
         print0(f"regenerate: {totals['truncated']} turns truncated at --max-new-tokens {cfg.max_new_tokens}, "
                f"{totals['empty']} empty; {totals['skipped_no_user_turn']} conversations skipped "
                "(no user turn before the first assistant turn)")
