@@ -6,13 +6,18 @@ on an H200 at batch 1 for well under a millisecond of memory traffic. Here every
 step is captured once as a CUDA graph and replayed as one launch:
 
   * the cache: per layer, keys and values of `slots` rows x `max_len` positions, [slots, Hkv, max_len, D]. Row r's
-    token at position p lives at column p of slot r (no padding inside a row: prompts are right-aligned to column 0);
+    token at position p lives at column p of slot r (no padding before a row: its prompt starts at column 0);
   * a step feeds q tokens to each of the first n slots at each slot's own start position (a [n] tensor): their keys
     and values are written at columns start..start+q-1, and query j of a row sees the columns <= start + j of its
     own slot. Columns past that are never read, so nothing needs cropping: a rejected draft is simply overwritten;
   * the step attends over the first S columns only, S a multiple of `bucket`: one graph per (n, q, S), captured on
-    first use and replayed after. Grouped query heads are folded onto their KV head ([n, Hkv, G*q, D] against
-    [n, Hkv, S, D]), so the cache is read in place, never repeated per head;
+    first use and replayed after. Its attention is a plain softmax(q k^T) v with grouped query heads folded onto
+    their KV head ([n, Hkv, G*q, D] against [n, Hkv, S, D]), so the cache is read in place, never repeated per
+    head (SDPA's masked kernels took ~45 us a layer for a one-token query on the H200);
+  * a step is bound by its kernel count, not by bytes: q, k and v come from one matmul (the three projections
+    stacked once, a copy of those weights), the rotary embedding of q and k is applied at once (rotate_half's sign
+    folded into the sin table) and the norms use torch's rms_norm (bench/decode.py, BENCHMARKS.md "Decoding at
+    serving speed");
   * prefill (a new row's prompt, any length) runs the same layers eagerly, causal within the prompt, and writes the
     prompt's keys and values into the row's slot.
 
@@ -97,7 +102,7 @@ class StaticDecoder:
             b = None if a.q_proj.bias is None else torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]).detach()
             self._qkv.append((w, b))
         self.graphs_on = graphs and self.device.type == "cuda"
-        self._graphs: dict[tuple[int, int, int], tuple] = {}
+        self._graphs: dict[tuple[int, int, int, bool], tuple] = {}  # (n, q, span, all logits) -> graph
         self._pool = None
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
         self._start = torch.zeros(self.slots, dtype=torch.long, device=self.device)
