@@ -52,6 +52,8 @@ from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text
 
 from .checkpoint import check_fits_target, load_drafter, read_drafter_config
 from .decode import Decode, NgramProposer, NoDraft, speculative
+from .dflash2 import DFlash2Drafter
+from .dflash2_drafting import DFlash2Proposer
 from .drafting import DFlashProposer
 from .model import DrafterError
 from .verify import Target
@@ -286,7 +288,7 @@ def run_eval(cfg: EvalConfig) -> dict[str, Any]:
     B = drafter.cfg.block_size
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
     graph = dev.type == "cuda" if cfg.draft_graph is None else cfg.draft_graph
-    dflash = DFlashProposer(drafter, max_len, graph=graph)
+    dflash = (DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer)(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
     runs: dict[str, list[Decode]] = {n: [] for n in names}

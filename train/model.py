@@ -424,6 +424,10 @@ class DFlashDrafter(nn.Module):
 
     def draft_block(self, cache: "ContextCache", block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [b, B-1, V] for slots 1..B-1 of the block [b, B] at positions [b, B]."""
+        return F.linear(self.draft_states(cache, block_ids, positions), self.lm_head_weight)
+
+    def draft_states(self, cache: "ContextCache", block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The normalised outputs [b, B-1, H] of slots 1..B-1 (what the LM head and DFlash2's selector read)."""
         x = self.embed(block_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         n = cache.length
@@ -433,7 +437,7 @@ class DFlashDrafter(nn.Module):
                 kpos = torch.cat([cache.pos[:, :n], positions], 1)
                 mask = window_mask(positions, kpos, layer.self_attn.window)
             x = layer(x, cos, sin, cache.k[i][:, :, :n], cache.v[i][:, :, :n], mask)
-        return self.logits(x[:, 1:])
+        return self.norm(x[:, 1:])
 
 
 def window_mask(positions: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
