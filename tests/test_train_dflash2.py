@@ -1,4 +1,4 @@
-"""`dflash extract --last-hidden` and `dflash train --arch dflash2` end to end on CPU: a real extracted cache from
+"""`dflash extract --last-hidden`, `dflash train --arch dflash2` and `--draft-window` end to end on CPU: a real extracted cache from
 a tiny Qwen3 target, real CLI processes, no mocks (the helpers are tests/test_train.py's).
 
 What is covered:
@@ -8,6 +8,7 @@ What is covered:
     a dflash2 run: loss goes down; final/ holds the DFlash2 layout (config fields, attention_conv / mlp_conv /
         candidate_selector tensors) and loads back as a DFlash2Drafter
     SIGKILL after a checkpoint + rerun: the same losses and weights, bit for bit, as an uninterrupted run
+    a windowed DFlash run: final/ names each layer's kind, the window and the bidirectional block for the engines
     a dflash2 run on a cache without the last hidden state, and --val-cache with dflash2: one error line
 """
 
@@ -115,6 +116,21 @@ def test_dflash_trains_from_a_last_hidden_cache(env2, tmp_path):
        "--block-size", "4", "--num-anchors", "16", "--batch-rows", "2", "--no-progress", "--max-steps", 3)
     assert read_json(run / "final" / "config.json")["dflash_config"]["target_layer_ids"] == \
         dflash_cache.open(str(env2["plain"])).layer_ids
+
+
+def test_a_windowed_run_records_its_layers_and_window_for_the_engines(env2, tmp_path):
+    run = tmp_path / "run"
+    ok("train", "--cache", env2["plain"], "--target", env2["target"], "--out", run, "--drafter-layers", "2",
+       "--draft-window", "8", "--draft-layer-types", "sliding_attention,full_attention", "--block-size", "4",
+       "--num-anchors", "16", "--batch-rows", "2", "--no-progress", "--max-steps", 3)
+    conf = read_json(run / "final" / "config.json")
+    assert conf["layer_types"] == ["sliding_attention", "full_attention"] and conf["sliding_window"] == 8
+    assert conf["use_sliding_window"] and conf["sliding_window_non_causal"] is True
+    assert conf["dflash_config"]["sliding_window_non_causal"] is True and conf["architectures"] == ["DFlashDraftModel"]
+    d = load_drafter(str(run / "final"))
+    assert [layer.self_attn.window for layer in d.layers] == [8, None]
+    rj = read_json(run / "run.json")["config"]
+    assert rj["draft_window"] == 8 and rj["draft_layer_types"] == ["sliding_attention", "full_attention"]
 
 
 def test_dflash2_without_the_last_hidden_state_is_one_error_line(env2, tmp_path):
