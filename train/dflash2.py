@@ -47,6 +47,8 @@ from .loss import block_metrics, ce_chunk, even_chunk, slot_weights
 from .model import DFlashDrafter, DrafterConfig, DrafterError, Layer
 
 LOSS_EPS = 1e-5  # the reference's: loss sums are divided by the supervised slots + this
+# a KL chunk holds ~5 float32 [slots, vocab] tensors (the cross-entropy's 2): a quarter of its budget per tensor
+KL_CHUNK_BYTES = 1 << 28
 
 
 def block_conv(x: torch.Tensor, delta: torch.Tensor, base: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -206,7 +208,7 @@ class DFlash2Drafter(DFlashDrafter):
         t_states = target_hidden.gather(1, at[..., None].expand(-1, -1, H))  # [R, N*(B-1), H]
         kl, unary, cands, target_pos, hit, target_id, pred = _LinearKL.apply(
             h.reshape(n, H), t_states.reshape(n, H), self.lm_head_weight, w.reshape(n), self.cfg.selector_top_k,
-            even_chunk(n, ce_chunk(self.lm_head_weight.shape[0])), chunk_fn or kl_chunk)
+            even_chunk(n, ce_chunk(self.lm_head_weight.shape[0], KL_CHUNK_BYTES)), chunk_fn or kl_chunk)
         transition = self.candidate_selector.transition(h.reshape(n, H), self.predecessor_ids(blocks), cands)
         return kl, unary + transition.to(unary.dtype), cands, target_pos, hit, target_id, pred
 
