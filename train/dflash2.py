@@ -26,6 +26,10 @@ selector loss the cross-entropy of the reranked top-k against the target's argma
 candidate when the top-k misses it), both weighted per slot by exp(-(k-1)/gamma) and summed over supervised
 slots / their count:
     loss = sum w_k KL_k / n + selector_loss_alpha * sum w_k CE_k / n      (n = supervised slots, + 1e-5)
+A slot is supervised where the DFlash objective counts its label (train/blocks.py: supervised and in the anchor's
+document; the reference asks only the first, which is the same on rows whose documents open with a prompt).
+The training metrics (slot accuracy, expected tau) score the selector's teacher-forced choice against the target's
+argmax, wrong where the unary top-k misses it (as served).
 No [slots, vocab] tensor is ever held whole: `_LinearKL` works chunk by chunk (`kl_chunk`) like the DFlash loss.
 
 Shapes: as DFlashDrafter, with hidden [R, T, (K+1)*H]: the K context layers, then the target's last hidden state
