@@ -87,8 +87,8 @@ def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, code
 VOLATILE_PREFIXES = ("info.run.",)
 # Fields a user sets, checked before the ones derived from them (num_shards, hidden_chunk_tokens when
 # chosen, num_layers), so that a mismatch names the setting that actually changed.
-PRIMARY_FIELDS = ("format", "hidden_dtype", "format_version", "last_hidden", "seq_len", "hidden_size", "layer_ids", "num_rows",
-                  "rows_per_shard", "codec", "hidden_chunk_tokens")
+PRIMARY_FIELDS = ("format", "hidden_dtype", "format_version", "last_hidden", "seq_len", "hidden_size", "layer_ids",
+                  "num_rows", "rows_per_shard", "codec", "hidden_chunk_tokens")
 
 
 def _field_order(key: str) -> tuple[int, str]:

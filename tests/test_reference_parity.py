@@ -145,7 +145,8 @@ def _run_mine(mine, cfg, row, ref, gamma: float):
         if cfg.arch == "dflash2":
             w = d2.slot_weights(cfg.block_size, gamma)[1:] * blocks.label_valid[..., 1:].float()
             _, scores, cands, *_ = mine.slot_terms(h, blocks, target_final, w)
-            out.update(scores=scores.view(N_ANCHORS, cfg.block_size - 1, -1), cands=cands.view(N_ANCHORS, cfg.block_size - 1, -1))
+            B = cfg.block_size
+            out.update(scores=scores.view(N_ANCHORS, B - 1, -1), cands=cands.view(N_ANCHORS, B - 1, -1))
             out["loss"], _ = mine.forward_train(wide, row["ids"], row["lm"], row["doc"], row["scores"], N_ANCHORS,
                                                 gamma=gamma)
         else:

@@ -1,5 +1,5 @@
-"""`dflash extract --last-hidden`, `dflash train --arch dflash2` and `--draft-window` end to end on CPU: a real extracted cache from
-a tiny Qwen3 target, real CLI processes, no mocks (the helpers are tests/test_train.py's).
+"""`dflash extract --last-hidden`, `dflash train --arch dflash2` and `--draft-window` end to end on CPU: real
+extracted caches from a tiny Qwen3 target, real CLI processes, no mocks (the helpers are tests/test_train.py's).
 
 What is covered:
     the cache: format version 3, the last layer after the context layers, stored after the target's final norm

@@ -6,8 +6,8 @@ anchor+k), their validity and the in-document positions. `make_blocks_opaque` is
 custom op for the compiled step. The masks say what a block's queries see: the context strictly before
 their anchor in their own document (in a sliding layer only the `window` positions before the anchor,
 anchor - window <= j < anchor, for every query of the block) and their own block bidirectionally (speculators'
-`sliding_window_non_causal`, which the checkpoint records), as a dense bool mask for SDPA (`dense_block_mask`) or a flex_attention BlockMask
-(`flex_block_mask`); `attend` runs either. No function here syncs with the host.
+`sliding_window_non_causal`, which the checkpoint records), as a dense bool mask for SDPA (`dense_block_mask`) or a
+flex_attention BlockMask (`flex_block_mask`); `attend` runs either. No function here syncs with the host.
 
 Shapes (R rows, T tokens, N anchors, B block): input_ids/loss_mask/doc_ids/anchor_scores [R, T]
     -> Blocks (anchors [R, N], tokens/positions/labels [R, N, B], ctx_positions [R, T])

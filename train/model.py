@@ -127,7 +127,8 @@ class DrafterConfig:
         ]
         if self.arch == "dflash2":
             checks += [
-                (1 <= self.conv_kernel_size <= self.block_size, "conv_kernel_size", f"must lie in [1, {self.block_size}]"),
+                (1 <= self.conv_kernel_size <= self.block_size, "conv_kernel_size",
+                 f"must lie in [1, {self.block_size}]"),
                 (self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0, "conv_group_size",
                  f"must divide hidden_size={self.hidden_size}"),
                 (self.selector_rank >= 1, "selector_rank", "must be >= 1"),
