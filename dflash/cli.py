@@ -178,6 +178,10 @@ def cache_verify(path, threads, repair):
 @option("--hidden-dtype", type=click.Choice(["bf16", "fp8", "fp4"]),
         help="Stored hidden states: bf16 (exact), fp8 (e4m3 + a scale per token and layer: half the bytes), "
              "fp4 (experimental: e2m1 + a float16 scale per 32 channels), quantised on the GPU.")
+@option("--last-hidden", is_flag=True, default=None,
+        help="Also store the target's last hidden state (after its final norm): what `dflash train --arch dflash2` "
+             "learns the target's distribution from. H values more per token (bf16: 2H bytes); the target runs all "
+             "its layers.")
 @option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.", default_text="the cores / ranks on the node")
 @option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
@@ -228,7 +232,16 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
 @option("--max-steps", type=int, help="Optimizer steps to train for.")
 @option("--epochs", type=float, help="Epochs over the cache (instead of --max-steps).", default_text="1")
+@option("--arch", type=click.Choice(["dflash", "dflash2"]),
+        help="dflash, or dflash2: grouped causal convolutions inside the block and a candidate selector reranking "
+             "each slot's top-k, trained on the target's distribution (needs a cache from `dflash extract "
+             "--last-hidden`). Not yet benchmarked on a GPU.")
 @option("--drafter-layers", type=int, help="Drafter decoder layers.")
+@option("--draft-window", type=int, help="Sliding-window draft layers: each block sees this many context positions "
+        "before its anchor (and its own block, bidirectionally), so the step's cost stays flat in the row length.",
+        default_text="none (full attention)")
+@option("--draft-layer-types", help="Per drafter layer, sliding_attention or full_attention (comma-separated).",
+        default_text="every layer sliding with --draft-window")
 @option("--block-size", type=int, help="Block size B: the anchor plus B-1 drafted tokens.")
 @option("--num-anchors", type=int, help="Blocks per row.")
 @option("--gamma", type=float, help="Slot k weighs exp(-(k-1)/gamma).")
@@ -294,6 +307,8 @@ def train(preset, gpus, no_progress, **flags):
 
     if no_progress:
         flags["progress"] = False
+    if flags.get("draft_layer_types") is not None:
+        flags["draft_layer_types"] = [k.strip() for k in flags["draft_layer_types"].split(",")]
     cfg = in_path_forms(build(TrainConfig, preset, "train", flags), {"cache": "read", "val_cache": "read"})  # fails once
     check_paths(out=cfg.out, read={"target": cfg.target})
     if not cfg.follow:  # --follow: the cache may not exist yet

@@ -1,4 +1,4 @@
-"""The on-disk contract of a dflash hidden-state cache (format versions 1 and 2).
+"""The on-disk contract of a dflash hidden-state cache (format versions 1, 2 and 3).
 
 A cache is a zarr v3 hierarchy (a local directory or any fsspec URL):
 
@@ -27,6 +27,12 @@ Hidden dtype (root attribute "hidden_dtype"; `dflash extract --hidden-dtype bf16
     and the root attribute "hidden_scaling" spells this out (element encoding, group size, formula) for a
     plain zarr client; quant.py has the rules that make the bytes and the error bounds they guarantee.
     Padding (and any all-zero group) has scale 0 and zero bytes: values exactly 0.
+
+The target's last hidden state (root attribute "last_hidden": true; `dflash extract --last-hidden`; format version
+3, which older readers refuse rather than read its last layer as a context layer): the last entry of layer_ids is
+the target's last layer, L-1, stored after the target's final norm (what its LM head reads: the target's logits are
+LM head @ those H channels), as the last H channels of `hidden`; the K context layers come first. It costs H values
+more per token (bf16: 2H bytes, fp8: H bytes + one float32 scale). Caches without the attribute read as before.
 
 Every array is a plain zarr array (any zarr client reads it). Row r of shard s is global row
 s * rows_per_shard + r; the last shard may hold fewer rows. Rows are exactly T tokens; padding
@@ -65,7 +71,8 @@ if TYPE_CHECKING:  # store.py imports this module
     from .store import Store
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 2  # the newest this code reads and writes; bf16 caches are still written as version 1
+FORMAT_VERSION = 3  # the newest this code reads and writes; bf16 caches are still written as version 1, quantised
+# ones as 2; 3 = a cache that holds the target's last hidden state (last_hidden)
 COMMIT_KEY = "dflash_commit"
 SHARDS = "shards"
 
@@ -135,6 +142,7 @@ class CacheSpec:
     codec: str = "lz4"
     hidden_chunk_tokens: int = 0  # 0 = choose (pick_chunk_tokens)
     info: dict[str, Any] = field(default_factory=dict)
+    last_hidden: bool = False  # layer_ids[-1] is the target's last layer, after its final norm (module docstring)
 
     def __post_init__(self):
         self.layer_ids = [int(i) for i in self.layer_ids]
@@ -145,6 +153,8 @@ class CacheSpec:
             raise CacheError(f"cache spec: num_rows must be >= 0, got {self.num_rows}")
         if not self.layer_ids:
             raise CacheError("cache spec: layer_ids is empty")
+        if self.last_hidden and len(self.layer_ids) < 2:
+            raise CacheError("cache spec: last_hidden needs the context layers and the last layer in layer_ids")
         if self.hidden_dtype not in HIDDEN_DTYPES:
             raise CacheError(f"cache spec: hidden_dtype {self.hidden_dtype!r} is not one of {list(HIDDEN_DTYPES)}")
         why = quant.check_shape(self.hidden_dtype, self.hidden_size)
@@ -169,7 +179,12 @@ class CacheSpec:
 
     @property
     def format_version(self) -> int:
-        return 2 if self.quantized else 1
+        return 3 if self.last_hidden else 2 if self.quantized else 1
+
+    @property
+    def context_layer_ids(self) -> list[int]:
+        """The captured layers a drafter reads as its context: all of them, but the last when it is last_hidden."""
+        return self.layer_ids[:-1] if self.last_hidden else list(self.layer_ids)
 
     @property
     def stored_width(self) -> int:
@@ -210,6 +225,8 @@ class CacheSpec:
         meta = {"format": FORMAT_NAME, "format_version": self.format_version}
         d = asdict(self)
         info = d.pop("info")
+        if not d["last_hidden"]:  # caches without it keep the attributes they always had
+            del d["last_hidden"]
         meta.update(d)
         if self.quantized:
             meta["hidden_scaling"] = quant.scaling_metadata(self.hidden_dtype, self.hidden_size)
@@ -239,8 +256,11 @@ class CacheSpec:
         info = meta.get("info")
         if info is not None and not isinstance(info, dict):
             raise CacheCorruptError(f"root metadata field 'info' is {type(info).__name__}, not an object")
+        last = meta.get("last_hidden", False)
+        if not isinstance(last, bool):
+            raise CacheCorruptError(f"root metadata field 'last_hidden' is {last!r}, not true or false")
         try:
-            return cls(**{k: field_of(k, kind) for k, kind in kinds.items()}, info=dict(info or {}))
+            return cls(**{k: field_of(k, kind) for k, kind in kinds.items()}, info=dict(info or {}), last_hidden=last)
         except CacheCorruptError:
             raise
         except CacheError as e:  # a value no writer writes (e.g. hidden_chunk_tokens 0 or not dividing seq_len)

@@ -163,6 +163,16 @@ class Cache:
         return list(self.spec.layer_ids)
 
     @property
+    def context_layer_ids(self) -> list[int]:
+        """The layers a drafter reads as context (layer_ids but the last of a last_hidden cache)."""
+        return self.spec.context_layer_ids
+
+    @property
+    def last_hidden(self) -> bool:
+        """Whether each row's last H channels are the target's last hidden state (format.py)."""
+        return self.spec.last_hidden
+
+    @property
     def hidden_size(self) -> int:
         return self.spec.hidden_size
 

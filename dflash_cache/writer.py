@@ -87,8 +87,8 @@ def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, code
 VOLATILE_PREFIXES = ("info.run.",)
 # Fields a user sets, checked before the ones derived from them (num_shards, hidden_chunk_tokens when
 # chosen, num_layers), so that a mismatch names the setting that actually changed.
-PRIMARY_FIELDS = ("format", "hidden_dtype", "format_version", "seq_len", "hidden_size", "layer_ids", "num_rows",
-                  "rows_per_shard", "codec", "hidden_chunk_tokens")
+PRIMARY_FIELDS = ("format", "hidden_dtype", "format_version", "last_hidden", "seq_len", "hidden_size", "layer_ids",
+                  "num_rows", "rows_per_shard", "codec", "hidden_chunk_tokens")
 
 
 def _field_order(key: str) -> tuple[int, str]:
@@ -159,6 +159,9 @@ class CacheWriter:
             self.kept = remove_own(self.store, CacheSpec.from_metadata(existing))
             existing = None
         if existing is not None:
+            if bool(existing.get("last_hidden", False)) != spec.last_hidden:  # before the version it implies
+                compare_metadata({"last_hidden": bool(existing.get("last_hidden", False))},
+                                 {"last_hidden": spec.last_hidden}, self.path)
             if existing.get("hidden_dtype", "bfloat16") == spec.hidden_dtype and existing.get("format_version") != meta["format_version"]:
                 raise CacheVersionError(f"{self.path} has format version {existing.get('format_version')}; cannot append to it")
             compare_metadata(existing, meta, self.path)

@@ -66,6 +66,9 @@ class ExtractConfig:
     attn: str = "auto"  # flex (GPU) or sdpa
     codec: str = "zstd"  # measured: ~1.27x on bf16 hidden states at >5 GB/s on 16 cores; lz4 only ~1.06x
     hidden_dtype: str = "bf16"  # bf16 | fp8 | fp4 (dflash_cache.quant: quantised on the device before the copy)
+    # also the target's last hidden state (after its final norm): what `dflash train --arch dflash2` learns the target's
+    # distribution from; H values more per token (dflash_cache/format.py), and the target's last layers run
+    last_hidden: bool = False
     writer_threads: int | None = None  # None: this process's cores / extraction ranks on the node
     host_buffers: int = 3
     chat_template: str | None = None
@@ -138,6 +141,12 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
         except ValueError as e:  # a target too shallow for the rule: a clear error naming the flag, not a traceback
             raise TargetError(f"--layers: {e}") from e
         layer_ids = validate_layer_ids(default, tc.num_hidden_layers, cfg.target)
+    if cfg.last_hidden:  # the target's last layer after the context layers (dflash_cache/format.py)
+        last = tc.num_hidden_layers - 1
+        if last in layer_ids:
+            raise TargetError(f"--last-hidden: the context layers {layer_ids} already hold the last layer ({last}) of "
+                              f"{cfg.target}: pick --layers below it")
+        layer_ids = [*layer_ids, last]
     H = tc.hidden_size
 
     # 2. the data, tokenised with the target's chat template and packed (identically on every rank)
@@ -174,7 +183,8 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     if dist.is_main:
         _same_inputs_moved(cfg, info)
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
-                     rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
+                     rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info,
+                     last_hidden=cfg.last_hidden)
     threads = cfg.writer_threads or writer_threads_per_rank()
     if dist.is_main:
         writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=threads, writer_id=f"rank{dist.rank}")
@@ -187,7 +197,8 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
             info["weights"] = recorded
         _same_inputs_moved(cfg, info, say=lambda _: None)  # as rank 0 did (it said so)
         spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
-                         rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info)
+                         rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info,
+                         last_hidden=cfg.last_hidden)
         writer = CacheWriter(cfg.out, spec, threads=threads, writer_id=f"rank{dist.rank}")
     shard_tokens = shard_real_tokens(plan, lengths, rows_per_shard)
     mine = assign_shards(shard_tokens, dist.world)[dist.rank]

@@ -126,8 +126,8 @@ NUMBERS: dict[str, dict[str, tuple]] = {
                 "--rows-per-shard": (0, INF), "--batch-rows": (0, INF), "--writer-threads": (1, INF),
                 "--tokenize-workers": (0, INF)},
     "train": {"--max-steps": (1, INF), "--epochs": (0.0, INF, "open"), "--drafter-layers": (1, INF),
-              "--block-size": (2, INF), "--num-anchors": (1, INF), "--gamma": (0.0, INF, "open"),
-              "--batch-rows": (1, INF), "--grad-accum": (1, INF), "--lr": (0.0, INF, "open"),
+              "--draft-window": (1, INF), "--block-size": (2, INF), "--num-anchors": (1, INF),
+              "--gamma": (0.0, INF, "open"), "--batch-rows": (1, INF), "--grad-accum": (1, INF), "--lr": (0.0, INF, "open"),
               "--warmup-ratio": (0.0, 1.0, "right-open"), "--min-lr-ratio": (0.0, 1.0), "--weight-decay": (0.0, INF),
               "--grad-clip": (0.0, INF, "open"), "--mask-token-id": (0, INF), "--seed": (0, 2**28 - 1),
               "--shuffle-window": (0, INF), "--follow-timeout": (0.0, INF, "open"), "--val-rows": (0, INF),
@@ -248,6 +248,8 @@ WORDS = [
     ("prompts", "chat-template-kwargs", "x=[", "--chat-template-kwargs"),
     ("prompts", "device", "meta", "--device"),
     ("train", "mask-token-id", "100000", "--mask-token-id"),
+    ("train", "draft-layer-types", "sliding", "--draft-layer-types"),
+    ("train", "draft-layer-types", "full_attention,full_attention", "--draft-layer-types"),
 ]
 
 

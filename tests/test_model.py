@@ -462,3 +462,21 @@ def test_flex_block_mask_compiled_equals_eager():
     compiled = torch.compile(fields, fullgraph=True, dynamic=False)(*args)
     for f, a, b in zip(BLOCK_MASK_FIELDS, eager, compiled):
         assert a.dtype == b.dtype and torch.equal(a, b), f
+
+
+def test_windowed_flex_mask_reads_as_many_tiles_at_any_row_length():
+    """A sliding layer's BlockMask keeps the tiles a block query reads flat in the row length: its window before the
+    anchor and its own block, one document of 2,048 or of 8,192 tokens alike (full attention reads the whole
+    prefix: 4x the tiles at 4x the length)."""
+    from dflash.train.blocks import flex_block_mask
+
+    def tiles(T: int, window: int | None) -> int:
+        ids = torch.randint(0, 500, (1, T), generator=torch.Generator().manual_seed(0))
+        doc, lm = torch.ones(1, T, dtype=torch.long), torch.ones(1, T, dtype=torch.uint8)
+        scores = torch.zeros(1, T)
+        scores[0, T - 600:T - 500] = 1.0  # 16 anchors near the end of the row: the longest prefixes
+        bm = flex_block_mask(make_blocks(ids, lm, doc, scores, 16, 16, 99), doc, window)
+        return int((bm.kv_num_blocks + bm.full_kv_num_blocks).max())
+
+    assert tiles(2048, 256) == tiles(8192, 256) <= 256 // 128 + 3  # the window's tiles (+ edges) and the block's
+    assert tiles(8192, None) > 3 * tiles(2048, None)

@@ -12,8 +12,9 @@ block-to-block part alone is 8192 x 8192 per head and row, 99.8% of it masked.
 Here the two parts are computed apart and merged exactly in one softmax:
   * own block:  scores `[R, nkv, rep, N, B, B]` (a batched matmul per block; nothing masked),
   * context:    scores of a chunk of consecutive blocks of one row against the key range it can see,
-                `[first key of any chunk block's document, largest anchor of the chunk)`. Anchors are
-                sorted, so a chunk's range is about its documents' prefix, not the row.
+                `[first key of any chunk block's document, largest anchor of the chunk)` (in a sliding layer from
+                no earlier than the smallest anchor - window). Anchors are sorted, so a chunk's range is about its
+                documents' prefix (or its window), not the row.
   * merge:      with m = the larger of both parts' row maxima (a constant: the result does not depend
                 on it), out = (e_ctx @ v_ctx + e_blk @ v_blk) / (sum e_ctx + sum e_blk), e = exp(s - m).
                 Every query sees at least its own block, so the denominator is >= 1.
@@ -63,8 +64,8 @@ def split_mask(blocks, doc_ids: torch.Tensor, window: int | None) -> SplitMask:
 
 def _key_ranges(mask: SplitMask, chunk: int) -> list[list[tuple[int, int]]]:
     """Per row, per chunk of `chunk` consecutive blocks, the context key range [lo, hi) any of its queries can
-    see: lo = the first occurrence of any chunk block's document, hi = the chunk's largest anchor; at least one
-    key wide (an empty range is masked whole)."""
+    see: lo = the first occurrence of any chunk block's document (in a sliding layer, not before anchor - window),
+    hi = the chunk's largest anchor; at least one key wide (an empty range is masked whole)."""
     anchors, adoc, doc = mask.anchors, mask.anchor_doc.long(), mask.doc_ids.long()
     R, T = doc.shape
     N = anchors.shape[1]
@@ -73,6 +74,8 @@ def _key_ranges(mask: SplitMask, chunk: int) -> list[list[tuple[int, int]]]:
     first = torch.full((R, max(ndoc, int(adoc.max()) + 1)), T, dtype=torch.long, device=doc.device)
     first = first.scatter_reduce(1, doc, idx, reduce="amin")
     lo_n = first.gather(1, adoc)  # [R, N] first key of the anchor's document
+    if mask.window is not None:  # and no key more than `window` before the anchor
+        lo_n = torch.maximum(lo_n, anchors.long() - mask.window)
     nchunks = -(-N // chunk)
     pad = nchunks * chunk - N
     lo = torch.nn.functional.pad(lo_n, (0, pad), value=T).view(R, nchunks, chunk).amin(2)
@@ -87,8 +90,8 @@ def _visible(anchors, adoc, doc, qpos, cpos, lo: int, window):
     """bool [R, n, 1 or B, kr]: which context keys lo..lo+kr-1 the chunk's queries see."""
     j = torch.arange(lo, lo + doc.shape[1], device=doc.device)
     see = ((j[None, None, :] < anchors[..., None]) & (doc[:, None, :] == adoc[..., None]))[:, :, None, :]
-    if window is not None:
-        see = see & (qpos[..., None] - cpos[:, None, None, :] < window)
+    if window is not None:  # the window positions before the anchor (qpos[..., 0]), the same for the whole block
+        see = see & (qpos[..., :1, None] - cpos[:, None, None, :] <= window)
     return see
 
 

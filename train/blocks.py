@@ -4,9 +4,10 @@
 the same (real) document, and builds each block `[x_a, MASK, ..., MASK]` with its labels (the token at
 anchor+k), their validity and the in-document positions. `make_blocks_opaque` is the same as one opaque
 custom op for the compiled step. The masks say what a block's queries see: the context strictly before
-their anchor in their own document (within the window in a sliding layer) and their own block
-bidirectionally, as a dense bool mask for SDPA (`dense_block_mask`) or a flex_attention BlockMask
-(`flex_block_mask`); `attend` runs either. No function here syncs with the host.
+their anchor in their own document (in a sliding layer only the `window` positions before the anchor,
+anchor - window <= j < anchor, for every query of the block) and their own block bidirectionally (speculators'
+`sliding_window_non_causal`, which the checkpoint records), as a dense bool mask for SDPA (`dense_block_mask`) or a
+flex_attention BlockMask (`flex_block_mask`); `attend` runs either. No function here syncs with the host.
 
 Shapes (R rows, T tokens, N anchors, B block): input_ids/loss_mask/doc_ids/anchor_scores [R, T]
     -> Blocks (anchors [R, N], tokens/positions/labels [R, N, B], ctx_positions [R, T])
@@ -143,9 +144,9 @@ def dense_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None) 
     qdoc = blocks.anchor_doc.repeat_interleave(B, dim=1)
     j = torch.arange(T, device=doc_ids.device)
     ctx = (j[None, None, :] < qa[..., None]) & (doc_ids[:, None, :] == qdoc[..., None])
-    if window is not None:
-        qpos = blocks.positions.reshape(R, N * B)
-        ctx = ctx & (qpos[..., None] - blocks.ctx_positions[:, None, :] < window)
+    if window is not None:  # the window positions before the anchor (same document: positions differ as indices)
+        apos = blocks.positions[..., 0].repeat_interleave(B, dim=1)  # [R, NB] anchor position of each query
+        ctx = ctx & (apos[..., None] - blocks.ctx_positions[:, None, :] <= window)
     qb = torch.arange(N * B, device=doc_ids.device) // B
     own = (qb[:, None] == qb[None, :]).expand(R, N * B, N * B)
     return torch.cat([ctx, own], dim=-1)[:, None]
@@ -155,7 +156,7 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
     R, T = doc_ids.shape
     N, B = blocks.anchors.shape[1], blocks.tokens.shape[-1]
     anchors, adoc, ctx_pos = blocks.anchors, blocks.anchor_doc, blocks.ctx_positions
-    qpos = blocks.positions.reshape(R, N * B)
+    apos = blocks.positions[..., 0]  # [R, N] in-document position of each anchor
 
     def mask_mod(b, h, q, kv):
         n = q // B
@@ -163,7 +164,7 @@ def flex_block_mask(blocks: Blocks, doc_ids: torch.Tensor, window: int | None):
         kc = torch.clamp(kv, max=T - 1)
         ctx_ok = (kv < a) & (doc_ids[b, kc] == adoc[b, n])
         if window is not None:
-            ctx_ok = ctx_ok & (qpos[b, q] - ctx_pos[b, kc] < window)
+            ctx_ok = ctx_ok & (apos[b, n] - ctx_pos[b, kc] <= window)
         own = (kv - T) // B == n
         return torch.where(kv < T, ctx_ok, own)
 

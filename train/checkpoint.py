@@ -1,7 +1,8 @@
 """Checkpoint I/O in the servable layout: a Qwen3 config with the DFlash fields plus safetensors weights.
 
 `save_drafter` writes `config.json` + `model.safetensors` (HF `save_pretrained` layout, the one DFlash
-drafters are served from); `load_drafter` reads them back into a `DFlashDrafter`. The target's embedding and
+drafters are served from); `load_drafter` reads them back into a `DFlashDrafter` (a `DFlash2Drafter` for a DFlash2
+checkpoint). train/model.py's docstring lists the config fields. The target's embedding and
 LM head are buffers, never saved: install them with `DFlashDrafter.set_target_head` after loading.
 
 A directory that is not such a checkpoint (a target model, a missing or garbled file, weights cut short or of
@@ -19,6 +20,7 @@ import torch
 
 from dflash.core.io import shared_mode
 from dflash.core.layers import default_layer_ids
+from dflash.train.dflash2 import make_drafter
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterError
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -27,7 +29,7 @@ CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
 def servable_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A Qwen3 config dict carrying the DFlash fields, as drafters are served from."""
     rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta}
-    return {
+    out = {
         "architectures": ["DFlashDraftModel"],
         "model_type": "qwen3",
         "hidden_size": cfg.hidden_size,
@@ -55,10 +57,24 @@ def servable_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, An
         "num_target_layers": cfg.num_target_layers,
         "dflash_config": {"target_layer_ids": cfg.target_layer_ids, "mask_token_id": cfg.mask_token_id},
     }
+    if cfg.sliding_window is not None:  # how a sliding layer's block sees itself: bidirectionally (train/blocks.py)
+        out["sliding_window_non_causal"] = cfg.sliding_window_non_causal
+        out["dflash_config"]["sliding_window_non_causal"] = cfg.sliding_window_non_causal
+    if cfg.arch == "dflash2":  # speculators' DFlash2 fields, top level (as its config has them) and in dflash_config
+        extra = {k: getattr(cfg, k) for k in DFLASH2_FIELDS}
+        out.update(architectures=["DFlash2DraftModel"], **extra)
+        out["dflash_config"].update(arch="dflash2", **extra)
+    return out
+
+
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 def config_from_servable(d: dict[str, Any]) -> DrafterConfig:
     dc = d.get("dflash_config") or {}
+    arch = dc.get("arch") or ("dflash2" if "DFlash2DraftModel" in (d.get("architectures") or []) else "dflash")
+    dflash2 = {k: dc.get(k, d.get(k)) for k in DFLASH2_FIELDS if dc.get(k, d.get(k)) is not None} \
+        if arch == "dflash2" else {}
     rope = d.get("rope_parameters") or {}
     theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"} or d.get("rope_scaling")
@@ -75,6 +91,8 @@ def config_from_servable(d: dict[str, Any]) -> DrafterConfig:
         rope_scaling=scaling, max_position_embeddings=d.get("max_position_embeddings", 40960),
         sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window")) else None,
         layer_types=list(d.get("layer_types") or []), attention_bias=d.get("attention_bias", False),
+        sliding_window_non_causal=dc.get("sliding_window_non_causal", d.get("sliding_window_non_causal", True)),
+        arch=arch, **dflash2,
     )
 
 
@@ -151,7 +169,7 @@ def load_drafter(path: str, attn_impl: str = "sdpa", dtype: torch.dtype | None =
         sd = load_file(weights)
     except (SafetensorError, OSError) as e:
         raise DrafterError(f"{path}: {WEIGHTS_NAME} cannot be read ({e}): cut short or damaged") from None
-    model = DFlashDrafter(cfg, attn_impl=attn_impl)
+    model = make_drafter(cfg, attn_impl=attn_impl)
     expected = model.state_dict()
     for name, t in sd.items():
         if name in expected and tuple(t.shape) != tuple(expected[name].shape):

@@ -8,6 +8,8 @@ Scopes (TrainConfig.compile_scope, `dflash train --compile-scope`):
   step: the whole forward_train as one graph, the way it was. Inside one graph the chunk loop is unrolled, and each
       chunk gets its own copies of the loss's fused kernels (the chunk's slice offsets are constants in their code).
       Kept to measure against (bench/train.py --compile-scopes regions,step).
+  A DFlash2 drafter's loss (train/dflash2.py) runs the same way with its KL chunk compiled; the selector's few ops
+  around it run eagerly.
   The repeated decoder layers need no region of their own: their kernels are identical source, which inductor builds
   once per graph. On a fresh machine the first compiled call at the Qwen3-8B shape takes 39 s on an H200 (47 kernels
   built on 16 cores, the last 25 s after the first); it took 204-242 s while the flex BlockMask came from
@@ -44,6 +46,7 @@ import torch
 from dflash.core.io import atomic_json, atomic_write, short_hash
 
 from .blocks import Blocks
+from .dflash2 import DFlash2Drafter, kl_chunk
 from .loss import chunked_block_loss, linear_ce_chunk
 
 SCOPES = ("regions", "step")
@@ -66,6 +69,16 @@ def compile_step(model, scope: str, cuda: bool) -> Callable:
         return h, tuple(getattr(blocks, name) for name in _BLOCK_FIELDS)  # plain tensors out of the graph
 
     trunk = torch.compile(slots, mode=mode, dynamic=False, fullgraph=True)
+    if isinstance(model, DFlash2Drafter):  # its loss: the KL chunk compiled once, the selector's few ops eager
+        kl = torch.compile(kl_chunk, dynamic=False, fullgraph=True)
+
+        def step2(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, gamma: float = 7.0,
+                  hidden_scales=None):
+            h, parts = trunk(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, hidden_scales)
+            return model.slot_loss(h, Blocks(*parts), model.target_hidden(hidden, hidden_scales), gamma,
+                                   model.selector_loss_alpha, kl)
+
+        return step2
     chunk = torch.compile(linear_ce_chunk, dynamic=False, fullgraph=True)
 
     def step(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors: int, gamma: float = 7.0,

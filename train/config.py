@@ -22,9 +22,21 @@ class TrainConfig:
     target: str = ""
     out: str = ""
     # drafter
+    arch: str = "dflash"  # dflash | dflash2 (train/dflash2.py: convolutions in the block and a candidate selector)
     drafter_layers: int = 5
     block_size: int = 16
     mask_token_id: int | None = None
+    # sliding-window draft layers: each sees the `draft_window` positions before its block's anchor (train/blocks.py);
+    # every layer is sliding_attention unless draft_layer_types names each layer's kind
+    draft_window: int | None = None
+    draft_layer_types: list[str] | None = None
+    # dflash2 only (speculators' defaults): the convolution's taps and channels per group, the selector's rank, the
+    # candidates it reranks, and the weight of its loss
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_loss_alpha: float = 1.0
     # objective
     num_anchors: int = 512
     gamma: float = 7.0
@@ -78,7 +90,26 @@ class TrainConfig:
         check(bool(self.cache), "cache", "is required (a cache written by `dflash extract`)")
         check(bool(self.target), "target", "is required (the same target model the cache was extracted from)")
         check(bool(self.out), "out", "is required (the run directory)")
+        check(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}, got {self.arch!r}")
         check(self.drafter_layers >= 1, "drafter_layers", f"must be >= 1, got {self.drafter_layers}")
+        check(self.draft_window is None or self.draft_window >= 1, "draft_window",
+              f"must be >= 1 (positions before the anchor a sliding layer sees), got {self.draft_window}")
+        if self.draft_layer_types is not None:
+            kinds = self.draft_layer_types
+            check(isinstance(kinds, list) and len(kinds) == self.drafter_layers, "draft_layer_types",
+                  f"needs one entry per drafter layer ({self.drafter_layers}), got {kinds!r}")
+            check(all(k in LAYER_TYPES for k in kinds), "draft_layer_types",
+                  f"entries must be {' or '.join(LAYER_TYPES)}, got {kinds!r}")
+            check("sliding_attention" not in kinds or self.draft_window is not None, "draft_layer_types",
+                  "has sliding_attention layers: give --draft-window")
+        check(self.conv_kernel_size >= 1, "conv_kernel_size", f"must be >= 1, got {self.conv_kernel_size}")
+        check(self.conv_kernel_size <= self.block_size, "conv_kernel_size",
+              f"must be <= --block-size {self.block_size}, got {self.conv_kernel_size}")
+        check(self.conv_group_size >= 1, "conv_group_size", f"must be >= 1, got {self.conv_group_size}")
+        check(self.selector_rank >= 1, "selector_rank", f"must be >= 1, got {self.selector_rank}")
+        check(self.selector_top_k >= 1, "selector_top_k", f"must be >= 1, got {self.selector_top_k}")
+        check(finite(self.selector_loss_alpha) and self.selector_loss_alpha >= 0, "selector_loss_alpha",
+              f"must be a finite number >= 0, got {self.selector_loss_alpha}")
         check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
         check(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
         check(finite(self.gamma) and self.gamma > 0, "gamma", f"must be a finite number > 0, got {self.gamma}")
@@ -117,10 +148,28 @@ class TrainConfig:
               f"must be >= 0 (rows; 0 = one permutation of the whole cache), got {self.shuffle_window}")
         check(finite(self.follow_timeout) and self.follow_timeout > 0, "follow_timeout",
               f"must be a finite number > 0 (seconds), got {self.follow_timeout}")
+        check(not (self.arch == "dflash2" and self.val_cache), "val_cache",
+              "is not available with --arch dflash2 yet (its held-out decoding needs the selector's drafting)")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
+
+
+ARCHS = ("dflash", "dflash2")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def draft_layer_types(cfg: TrainConfig) -> list[str] | None:
+    """The drafter's per-layer attention kinds: draft_layer_types, else every layer sliding with --draft-window, else
+    None (every layer full)."""
+    if cfg.draft_layer_types is not None:
+        return list(cfg.draft_layer_types)
+    return ["sliding_attention"] * cfg.drafter_layers if cfg.draft_window is not None else None
 
 
 # Settings that define a run: rerunning into RUN with other values is an error unless --overwrite.
 IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", "num_anchors", "gamma", "batch_rows",
             "grad_accum", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
-            "param_dtype", "attn", "shuffle_window")
+            "param_dtype", "attn", "shuffle_window", "arch", "draft_window", "draft_layer_types", "conv_kernel_size",
+            "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
+# what a run.json written before a setting existed is read as having (that run trained with it)
+IDENTITY_DEFAULTS = {"arch": "dflash", "draft_window": None, "draft_layer_types": None, "conv_kernel_size": 2,
+                     "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_loss_alpha": 1.0}

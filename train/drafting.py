@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .model import DFlashDrafter, DrafterError, rope_cos_sin
+from .model import DFlashDrafter, DrafterError, rope_cos_sin, window_mask
 
 
 class StaticDraft:
@@ -64,7 +64,7 @@ class StaticDraft:
             m = mask
             if layer.self_attn.window is not None:
                 kpos = torch.cat([c.pos, positions], 1)
-                m = mask & (positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
+                m = mask & window_mask(positions, kpos, layer.self_attn.window)
             x = layer(x, cos, sin, c.k[i], c.v[i], m)
         return d.logits(x[:, 1:]).argmax(-1)[0]
 

@@ -59,6 +59,8 @@ from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text
 
 from .checkpoint import check_fits_target, load_drafter, read_drafter_config
 from .decode import Decode, NgramProposer, NoDraft, speculative
+from .dflash2 import DFlash2Drafter
+from .dflash2_drafting import DFlash2Proposer
 from .drafting import DFlashProposer
 from .model import DrafterError
 from .verify import StaticTarget, Target
@@ -319,7 +321,7 @@ def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
     graph = dev.type == "cuda" if cfg.draft_graph is None else cfg.draft_graph
     target = static_target(cfg, model, drafter.cfg.target_layer_ids, max_len, B) or target
-    dflash = DFlashProposer(drafter, max_len, graph=graph)
+    dflash = (DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer)(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
     runs: dict[str, list[Decode]] = {n: [] for n in names}

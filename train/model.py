@@ -30,6 +30,18 @@ Shapes (R rows, T tokens, K layers, H hidden, N anchors, B block, V vocab):
 Checkpoints use the layout DFlash drafters are served from (HF `save_pretrained`: a Qwen3 config
 with `block_size`, `num_target_layers`, `dflash_config {target_layer_ids, mask_token_id}` and
 weights `layers.N.*`, `norm`, `fc`, `hidden_norm`); the embedding and LM head stay the target's.
+The config fields train/checkpoint.py writes beyond those (what an exporter carries to the engines):
+  * sliding-window layers (`dflash train --draft-window W`): `layer_types` (per layer `sliding_attention` or
+    `full_attention`), `sliding_window` W, `use_sliding_window` true, and `sliding_window_non_causal` true (top
+    level and in dflash_config): a sliding layer's block sees the W context positions before its anchor
+    (anchor - W <= j < anchor, the same for every slot) and its own block bidirectionally, as speculators trains it
+    (its `sliding_window_non_causal`). SGLang and vLLM run a `sliding_attention` draft layer causally with its window
+    instead: an engine must be told, or it drafts with another mask than the one trained.
+  * DFlash2 (`--arch dflash2`, train/dflash2.py): `architectures` ["DFlash2DraftModel"], `conv_kernel_size`,
+    `conv_group_size`, `selector_rank`, `selector_top_k` (top level, as speculators' DFlash2 config, and in
+    dflash_config with `arch: dflash2`), weights `layers.N.attention_conv.{base_kernel, kernel_projection.weight}`,
+    `layers.N.mlp_conv.*` and `candidate_selector.{predecessor_codebook, successor_codebook,
+    hidden_projection.weight}`.
 
 This file is the model: its config, its layers and the drafter's two forwards (training over packed blocks,
 drafting one block after a cached context), both through one decoder-layer forward. Around it:
@@ -82,6 +94,16 @@ class DrafterConfig:
     sliding_window: int | None = None
     layer_types: list[str] = field(default_factory=list)  # "full_attention" | "sliding_attention"
     attention_bias: bool = False
+    # a sliding layer's block sees the `sliding_window` positions before its anchor and its own block bidirectionally
+    # (speculators' sliding_window_non_causal; the only kind dflash trains, recorded in the checkpoint for engines)
+    sliding_window_non_causal: bool = True
+    # "dflash", or "dflash2": every layer wraps its attention and MLP in grouped causal convolutions over the block,
+    # and a candidate selector reranks the top-k of each slot (train/dflash2.py); the fields below are dflash2's
+    arch: str = "dflash"
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
     def __post_init__(self):
         if not self.layer_types:
@@ -99,7 +121,19 @@ class DrafterConfig:
             (all(0 <= i < self.num_target_layers for i in self.target_layer_ids), "target_layer_ids",
              f"must lie in [0, {self.num_target_layers - 1}]"),
             (0 <= self.mask_token_id < self.vocab_size, "mask_token_id", f"must lie in [0, {self.vocab_size - 1}]"),
+            (self.sliding_window_non_causal, "sliding_window_non_causal",
+             "must be true (a sliding layer's block is bidirectional, as speculators trains DFlash2)"),
+            (self.arch in ("dflash", "dflash2"), "arch", "must be dflash or dflash2"),
         ]
+        if self.arch == "dflash2":
+            checks += [
+                (1 <= self.conv_kernel_size <= self.block_size, "conv_kernel_size",
+                 f"must lie in [1, {self.block_size}]"),
+                (self.conv_group_size >= 1 and self.hidden_size % self.conv_group_size == 0, "conv_group_size",
+                 f"must divide hidden_size={self.hidden_size}"),
+                (self.selector_rank >= 1, "selector_rank", "must be >= 1"),
+                (1 <= self.selector_top_k <= self.vocab_size, "selector_top_k", f"must lie in [1, {self.vocab_size}]"),
+            ]
         for ok, name, msg in checks:
             if not ok:
                 raise DrafterError(f"drafter config: {name} {msg} (got {getattr(self, name)!r})")
@@ -234,16 +268,19 @@ class Layer(nn.Module):
         cos/sin [b, L, hd] attend to the context's keys/values k_ctx/v_ctx [b, nkv, Tc, hd] (made by this
         layer's k_proj/v_proj, see Attention.kv) followed by their own, under mask: a bool [b, 1, L, Tc + L]
         or None (impl "sdpa"), a BlockMask ("flex"), or split_mask's masks ("split", train/attention.py)."""
+        x = x + self.attention(self.input_layernorm(x), cos, sin, k_ctx, v_ctx, mask, impl)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attention(self, h, cos, sin, k_ctx, v_ctx, mask, impl: str) -> torch.Tensor:
+        """The attention sublayer on normalised block states h [b, L, H] (forward's arguments), projected out."""
         att = self.self_attn
-        h = self.input_layernorm(x)
         k_blk, v_blk = att.kv(h, cos, sin)
         q = att.q(h, cos, sin)
         if impl == "split":  # context and own block apart, merged exactly (train/attention.py)
             o = split_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, mask)
         else:
             o = attend(q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), mask, impl)
-        x = x + att.out(o)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        return att.out(o)
 
 
 # --------------------------------------------------------------------------------------------
@@ -255,11 +292,13 @@ class DFlashDrafter(nn.Module):
     """Steps 1-4 of the method (module docstring): fuse_context (1), embed (2), the layers (3), logits / the
     chunked loss (4); forward_train over packed blocks, extend_context + draft_block to draft after a context."""
 
+    layer_class = Layer  # DFlash2Drafter's layers add the block convolutions (train/dflash2.py)
+
     def __init__(self, cfg: DrafterConfig, attn_impl: str = "sdpa"):
         super().__init__()
         self.cfg = cfg
         self.attn_impl = attn_impl
-        self.layers = nn.ModuleList(Layer(cfg, t == "sliding_attention") for t in cfg.layer_types)
+        self.layers = nn.ModuleList(self.layer_class(cfg, t == "sliding_attention") for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -267,7 +306,11 @@ class DFlashDrafter(nn.Module):
         # The target's embedding and LM head: frozen, never saved with the drafter.
         self.register_buffer("embed_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
         self.register_buffer("lm_head_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
+        self.add_modules()
         self.reset_parameters()
+
+    def add_modules(self) -> None:
+        """Modules a variant adds before the parameters are initialised (DFlash2Drafter's candidate selector)."""
 
     def _apply(self, fn, recurse=True):
         # .to(bfloat16) and friends convert floating buffers too; the RoPE frequencies stay float32, as the
@@ -304,7 +347,8 @@ class DFlashDrafter(nn.Module):
             from dflash_cache.quant import dequantize  # lazy: the cache package only for fp8/fp4
 
             hidden = dequantize(hidden, hidden_scales, self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(hidden.to(self.fc.weight.dtype)))
+        width = self.cfg.num_context_layers * self.cfg.hidden_size  # a cache with the target's last hidden state
+        return self.hidden_norm(self.fc(hidden[..., :width].to(self.fc.weight.dtype)))  # holds it after the K layers
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)
@@ -381,16 +425,27 @@ class DFlashDrafter(nn.Module):
 
     def draft_block(self, cache: "ContextCache", block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [b, B-1, V] for slots 1..B-1 of the block [b, B] at positions [b, B]."""
+        return F.linear(self.draft_states(cache, block_ids, positions), self.lm_head_weight)
+
+    def draft_states(self, cache: "ContextCache", block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The normalised outputs [b, B-1, H] of slots 1..B-1 (what the LM head and DFlash2's selector read)."""
         x = self.embed(block_ids)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
         n = cache.length
         for i, layer in enumerate(self.layers):
             mask = None
-            if layer.self_attn.window is not None:  # keys within the window of each query
+            if layer.self_attn.window is not None:  # the window positions before the anchor, and the own block
                 kpos = torch.cat([cache.pos[:, :n], positions], 1)
-                mask = (positions[:, :, None] - kpos[:, None, :] < layer.self_attn.window)[:, None]
+                mask = window_mask(positions, kpos, layer.self_attn.window)
             x = layer(x, cos, sin, cache.k[i][:, :, :n], cache.v[i][:, :, :n], mask)
-        return self.logits(x[:, 1:])
+        return self.norm(x[:, 1:])
+
+
+def window_mask(positions: torch.Tensor, kpos: torch.Tensor, window: int) -> torch.Tensor:
+    """bool [b, 1, B, len]: which keys at positions kpos [b, len] a block at positions [b, B] sees in a sliding layer:
+    those no more than `window` positions before its anchor (positions[:, 0]), for every query of the block (the
+    training mask, train/blocks.py); the block's own keys always."""
+    return (positions[:, :1, None] - kpos[:, None, :] <= window)[:, None].expand(-1, -1, positions.shape[1], -1)
 
 
 class ContextCache:

@@ -37,7 +37,7 @@ from dflash.core.dist import atomic_json, print0
 from dflash.core.io import atomic_write, check_files, file_record
 from dflash.core.paths import check_output_dir, inside, is_url
 from dflash.train.checkpoint import save_drafter
-from dflash.train.config import IDENTITY, TrainConfig, TrainError
+from dflash.train.config import IDENTITY, IDENTITY_DEFAULTS, TrainConfig, TrainError
 from dflash.train.model import DFlashDrafter
 from dflash_cache.format import flatten, read_root
 from dflash_cache.lock import LOCK_NAME
@@ -194,7 +194,8 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
         old = old_doc.get("config", {})
         problem = next((f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
                         f"{resolved.get(k)!r}; use another --out, or --overwrite to start over"
-                        for k in IDENTITY if k != "cache" and json.dumps(old.get(k)) != json.dumps(resolved.get(k))),
+                        for k in IDENTITY if k != "cache"
+                        and json.dumps(old.get(k, IDENTITY_DEFAULTS.get(k))) != json.dumps(resolved.get(k))),
                        None)
         if not problem and json.dumps(old.get("cache")) != json.dumps(resolved.get("cache")):
             problem = _moved_cache(old_doc, resolved, record, cfg.out)

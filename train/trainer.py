@@ -46,9 +46,10 @@ from dflash.core.weights import check_roles
 
 from .compile_check import check_and_report, compile_count
 from .compile_step import cache_counters
-from .config import NonFiniteLoss, TrainConfig, TrainError
+from .config import NonFiniteLoss, TrainConfig, TrainError, draft_layer_types
+from .dflash2 import make_drafter
 from .metrics import TrainMetrics, init_wandb
-from .model import DFlashDrafter, DrafterConfig
+from .model import DrafterConfig, DrafterError
 from .run_dir import (check_out_path, check_run_dir, drop_metrics_after, finished_run, latest_checkpoint,
                       load_checkpoint, save_checkpoint, save_final, writing)
 from .schedule import lr_at, peak_flops, step_flops
@@ -117,10 +118,21 @@ class Trainer:
 
             self.validator = Validator(cfg.val_cache, cache, expect, cfg.val_rows, cfg.batch_rows, cfg.num_anchors,
                                        cfg.gamma, dev, cfg.loader_threads, cfg.val_max_new_tokens)
+        if cfg.arch == "dflash2" and not cache.last_hidden:
+            raise TrainError(f"--arch dflash2 learns the target's distribution from its last hidden state, which "
+                             f"--cache {cfg.cache} does not hold: extract it with `dflash extract ... --last-hidden`")
         tok = load_tokenizer(cfg.target)
         mask_id = resolve_mask_token_id(tok, tc.vocab_size, cfg.mask_token_id)
-        self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.layer_ids,
-                                              block_size=cfg.block_size, mask_token_id=mask_id)
+        dflash2 = dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
+                       selector_rank=cfg.selector_rank, selector_top_k=cfg.selector_top_k) \
+            if cfg.arch == "dflash2" else {}
+        try:
+            self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.context_layer_ids,
+                                                  block_size=cfg.block_size, mask_token_id=mask_id,
+                                                  sliding_window=cfg.draft_window,
+                                                  layer_types=draft_layer_types(cfg) or [], arch=cfg.arch, **dflash2)
+        except DrafterError as e:  # a setting the target's shape does not allow (e.g. a group not dividing H)
+            raise ConfigError(f"--arch {cfg.arch}: {e}") from None
         T = cache.seq_len
         if cfg.num_anchors >= T:
             raise ConfigError(f"--num-anchors {cfg.num_anchors} does not fit rows of {T} tokens (at most {T - 1})")
@@ -150,7 +162,8 @@ class Trainer:
         barrier()
 
         torch.manual_seed(cfg.seed)
-        self.model = DFlashDrafter(self.dcfg, attn_impl=self.attn)
+        self.model = make_drafter(self.dcfg, attn_impl=self.attn)
+        self.model.selector_loss_alpha = cfg.selector_loss_alpha  # (dflash2's objective; unused by dflash)
         self.model.reset_parameters(seed=cfg.seed)
         self.model.to(dev, self.param_dtype)
         emb, head = load_target_head(cfg.target)
