@@ -23,9 +23,11 @@ slots, for a gradient entry a few hundred products, so ~1e-6 relative at most. A
 lr * m / (sqrt(v) + eps) passes a relative gradient error on at the same relative size, times lr = 3e-3 per
 step, so after 4 steps the weights (entries up to ~1) differ by ~4 * 3e-3 * 1e-6 ~ 1e-8, plus the float32
 rounding of the weights themselves (~1e-7). Measured: losses and gradient norms within 9e-8 relative,
-weights within 2.4e-7. Allowed: 1e-5 relative on the logged loss, gradient norm and expected tau, 1e-5
-absolute on the weights -- 40-100x the measured rounding, and far below what either missing all-reduce
-causes (measured: without the gradient all-reduce the ranks' weights differ after one step; without the
+weights within 2.4e-7. Allowed: 1e-5 relative on the logged loss, gradient norm and expected tau, 1e-4
+absolute on the weights: AdamW divides each entry's update by its own gradient scale, so an entry whose gradient
+is itself at rounding level passes that rounding on at full size (measured 2026-12-03: 4.4e-5 on fc.weight's
+columns for near-silent hidden channels, every other tensor within a few 1e-6); both far below what either
+missing all-reduce causes (measured: without the gradient all-reduce the ranks' weights differ after one step; without the
 metrics all-reduce the logged step-1 loss is rank 0's, 5e-3 relative away).
 """
 
@@ -49,7 +51,7 @@ PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 4
 LOSS_RTOL = 1e-5
-WEIGHT_ATOL = 1e-5
+WEIGHT_ATOL = 1e-4
 
 # `dflash train` whose every rank also writes the weights it ends with to RUN/rank<r>.safetensors
 DUMPING = """

@@ -333,7 +333,7 @@ def test_save_load_round_trip_and_servable_layout(tmp_path):
         want |= {f"{p}self_attn.{x}_proj.weight" for x in "qkvo"}
     assert set(sd) == want  # no embedding or LM head in the checkpoint
     cfg = json.loads((tmp_path / "ckpt" / "config.json").read_text())
-    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": 511}
+    assert cfg["dflash_config"] == {"target_layer_ids": [1, 3], "mask_token_id": 511, "sliding_window_non_causal": True}
     assert cfg["block_size"] == 4 and cfg["num_target_layers"] == 6 and cfg["num_hidden_layers"] == 2
     hf = AutoConfig.from_pretrained(str(tmp_path / "ckpt"))  # transformers reads it as a Qwen3 config
     assert hf.model_type == "qwen3" and hf.num_hidden_layers == 2 and hf.block_size == 4

@@ -79,8 +79,9 @@ def test_a_killed_run_resumes_with_the_parts_it_lacks_and_a_finished_one_is_kept
         run_prompts(cfg)
     assert sorted(os.listdir(out / PARTS_DIR)) == ["part-00000.jsonl", "part-00001.jsonl"]
     assert record(out)["complete"] is False and not (out / PROMPTS_FILE).exists()
+    ans = tmp_path.parent / f"{tmp_path.name}-ans"  # outside every --data below (an output inside its data is refused)
     for data in (out, tmp_path):  # the output itself, or a folder above it (beside other prompt files)
-        code, said = cli("regenerate", "--target", tiny, "--data", data, "--out", tmp_path / "ans", "--no-progress")
+        code, said = cli("regenerate", "--target", tiny, "--data", data, "--out", ans, "--no-progress")
         error_line(code, said, str(out), "unfinished `dflash prompts` output")
     calls.clear()
     monkeypatch.setattr(pr.Sampler, "rows", lambda self, first, last, settings, on_row=None: (
