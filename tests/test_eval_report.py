@@ -200,3 +200,17 @@ def test_a_categorys_figures_are_an_eval_of_its_prompts_alone(tiny, monkeypatch)
         for k in ("tau", "steps", "tokens", "identical"):
             assert g[m][k] == part[m][k], (m, k)
     assert part["sets"] == {"in-source": part["sets"]["in-source"]} and list(part["categories"]) == ["code"]
+
+
+def test_prompts_are_decoded_round_robin_over_their_groups_and_reported_in_the_datas_order():
+    """The eval's bar measures its rate on a mix from the first prompts on (16 short chitchat prompts before 4 long
+    MT-Bench ones made its first ETA 12.7x too low); every prompt is decoded once."""
+    from dflash.train.eval import decode_order
+
+    labels = [{"set": "in-source", "category": "chitchat"}] * 16 + [{"set": "out-of-source", "category": c}
+                                                                    for c in ("writing", "math", "coding", "stem")]
+    order = decode_order(labels)
+    assert sorted(order) == list(range(20))
+    assert order[:5] == [0, 16, 17, 18, 19]  # one of each group first
+    assert order[5:] == list(range(1, 16))  # then the rest of the only group left, in the data's order
+    assert decode_order([{"set": None, "category": None}] * 3) == [0, 1, 2]
