@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
 from dflash.core.static_decode import StaticDecoder  # noqa: E402
 from dflash.core.target import decode_sdpa  # noqa: E402
+from dflash.extract.slab import kv_bytes_per_token  # noqa: E402
 
 
 def model_of(shape: str, device, dtype):
@@ -62,11 +63,6 @@ def timed(fn, iters: int) -> float:
         torch.cuda.synchronize()
         out.append(time.perf_counter() - t)
     return statistics.median(out)
-
-
-def kv_bytes_per_token(m) -> int:
-    c = m.config
-    return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * 2
 
 
 def weight_bytes(m) -> int:
@@ -115,7 +111,7 @@ def graph_step(m, batch: int, context: int, q: int):
 
 def run(shape: str, args, dev) -> list[dict]:
     m = model_of(shape, dev, torch.bfloat16)
-    wb, kvt = weight_bytes(m), kv_bytes_per_token(m)
+    wb, kvt = weight_bytes(m), kv_bytes_per_token(m.config, torch.bfloat16)
     bw = args.bandwidth * 1e12
     rows = []
 

@@ -117,6 +117,32 @@ class _Row:
     forced: deque = field(default_factory=deque)  # continuation ids still to feed (each replaces a step's sample)
 
 
+def end_of_turn(row: _Row, token: int, eos: frozenset) -> Result | None:
+    """Append `token` to the row's answer; the turn's Result when it ends there (an end-of-sequence id, not part of
+    the tokens, or the turn's max_new_tokens), else None. Both engines (Engine, slot_engine.SlotEngine) use it."""
+    row.out.append(token)
+    stop = token in eos
+    if not (stop or len(row.out) >= row.req.max_new_tokens):
+        return None
+    return Result(row.req.key, row.out[:-1] if stop else row.out, stop, len(row.req.prompt), len(row.out))
+
+
+def continue_row(row: _Row, res: Result, cont: Continuation) -> int | None:
+    """Go on with the finished turn `res` in its row: the row's request becomes the whole context (prompt, answer,
+    the continuation's ids) with the continuation's budget and sampling stream, and its ids are fed one per step.
+    The cache holds the prompt and the answer but its newest token, so a turn that stopped at an end id has that id
+    replaced by the first continuation id: returned, for the caller to make the row's next input (None otherwise:
+    a truncated turn's last token is fed first, as usual). The caller has checked that cont.forced is not empty."""
+    forced = list(map(int, cont.forced))
+    first = forced[0] if res.stopped else None
+    row.req = Request(row.req.prompt + res.tokens + forced, int(cont.max_new_tokens), key=row.req.key,
+                      rng_key=int(cont.rng_key), priority=row.req.priority)
+    row.out = []
+    row.forced = deque(forced[1:] if res.stopped else forced)
+    res.continued = True
+    return first
+
+
 class Engine:
     """Batched decoding with a KV cache: add() requests, step() until idle; step() returns finished Results.
 
@@ -317,15 +343,12 @@ class Engine:
             row = self.rows[i]
             if row.done or (skip and i in skip):
                 continue
-            row.out.append(t)
             self.generated += 1
-            stop = t in self.eos
-            if stop or len(row.out) >= row.req.max_new_tokens:
-                toks = row.out[:-1] if stop else row.out
-                res = Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out))
+            res = end_of_turn(row, t, self.eos)
+            if res is not None:
                 done.append(res)
                 cont = self.follow(res) if self.follow is not None else None
-                if cont is not None and self._goes_on(row, res, cont, stop, inputs, i):
+                if cont is not None and self._goes_on(row, res, cont, inputs, i):
                     continue
                 row.done = True
                 self.dead += 1
@@ -338,30 +361,20 @@ class Engine:
             self.seconds["batch_edit"] += time.perf_counter() - t
         return done
 
-    def _goes_on(self, row: _Row, res: Result, cont: Continuation, stop: bool, inputs: list, i: int) -> bool:
-        """Continue `row` with `cont` if the batch's token budget allows it; True if it does."""
-        forced = list(map(int, cont.forced))
-        feed = forced
-        if not feed or cont.max_new_tokens < 1:
+    def _goes_on(self, row: _Row, res: Result, cont: Continuation, inputs: list, i: int) -> bool:
+        """Continue `row` with `cont` (continue_row) if the batch's token budget allows it; True if it does."""
+        if not cont.forced or cont.max_new_tokens < 1:
             return False
         cols = self.mask.shape[1] if self.mask is not None else 0
         live = len(self.rows) - self.dead
-        if live > 1 and live * (cols + len(feed) + cont.max_new_tokens) > self.max_batch_tokens:
+        if live > 1 and live * (cols + len(cont.forced) + cont.max_new_tokens) > self.max_batch_tokens:
             self.refused += 1
             return False
-        # the cache holds the prompt and the answer but its newest token: a stopped row's stop id is replaced by
-        # the continuation's first id; a truncated row's last answer token is fed first
-        if stop:
-            inputs.append((i, feed[0]))
-            feed = feed[1:]
-        context = row.req.prompt + res.tokens + forced
-        row.req = Request(context, int(cont.max_new_tokens), key=row.req.key, rng_key=int(cont.rng_key),
-                          priority=row.req.priority)
-        row.out = []
-        row.forced = deque(feed)
-        res.continued = True
+        first = continue_row(row, res, cont)
+        if first is not None:
+            inputs.append((i, first))
         self.continued += 1
-        self.forced_tokens += len(forced)
+        self.forced_tokens += len(cont.forced)
         return True
 
     def _retain(self, keep: list[int]) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import heapq
 import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -32,7 +31,7 @@ import torch
 from dflash.core.static_decode import StaticDecoder, unsupported
 from dflash.core.target import decode_sdpa, text_config
 
-from .generate import Continuation, Engine, Request, Result, _Row
+from .generate import Continuation, Engine, Request, Result, _Row, continue_row, end_of_turn
 from .sampling import sample, uniforms
 
 MIN_BATCH = 8
@@ -240,15 +239,12 @@ class SlotEngine:
             row = self.slot_rows[s]
             if row is None or s in fed:
                 continue
-            row.out.append(t)
             self.generated += 1
-            stop = t in self.eos
-            if stop or len(row.out) >= row.req.max_new_tokens:
-                toks = row.out[:-1] if stop else row.out
-                res = Result(row.req.key, toks, stop, len(row.req.prompt), len(row.out))
+            res = end_of_turn(row, t, self.eos)
+            if res is not None:
                 done.append(res)
                 cont = self.follow(res) if self.follow is not None else None
-                if cont is not None and self._goes_on(s, row, res, cont, stop, inputs):
+                if cont is not None and self._goes_on(s, row, res, cont, inputs):
                     continue
                 self.slot_rows[s] = None
                 self.pos[s] = 0
@@ -257,26 +253,20 @@ class SlotEngine:
             self.last[idx] = torch.tensor([inputs[i] for i in idx], device=self.device)
         return done
 
-    def _goes_on(self, s: int, row: _Row, res: Result, cont: Continuation, stop: bool, inputs: dict) -> bool:
-        forced = list(map(int, cont.forced))
-        if not forced or cont.max_new_tokens < 1:
+    def _goes_on(self, s: int, row: _Row, res: Result, cont: Continuation, inputs: dict) -> bool:
+        """Continue slot s's row with `cont` (continue_row) if its slot can grow to hold it; True if it does."""
+        if not cont.forced or cont.max_new_tokens < 1:
             return False
-        need = self.pos[s] + len(forced) + cont.max_new_tokens + 1
+        need = self.pos[s] + len(cont.forced) + cont.max_new_tokens + 1
         if need > self.limit:
             self.refused += 1
             return False
         self._fit(need)
-        feed = forced
-        if stop:  # the stop id (not in the cache yet) is replaced by the continuation's first id
-            inputs[s] = feed[0]
-            feed = feed[1:]
-        row.req = Request(row.req.prompt + res.tokens + forced, int(cont.max_new_tokens), key=row.req.key,
-                          rng_key=int(cont.rng_key), priority=row.req.priority)
-        row.out = []
-        row.forced = deque(feed)
-        res.continued = True
+        first = continue_row(row, res, cont)
+        if first is not None:
+            inputs[s] = first
         self.continued += 1
-        self.forced_tokens += len(forced)
+        self.forced_tokens += len(cont.forced)
         return True
 
     def _fit(self, need: int) -> None:

@@ -279,6 +279,3 @@ class StaticDecoder:
         for k, v in zip(self.k, self.v):
             k[dst] = k[src]
             v[dst] = v[src]
-
-    def kv_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
