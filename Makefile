@@ -47,9 +47,11 @@ endif
 demo: venv
 	$(BIN)/dflash demo --workdir work/demo
 
-## test: the whole CPU test suite (GPU tests are skipped without CUDA)
+## test: the whole CPU test suite (GPU tests are skipped without CUDA), in TEST_WORKERS processes (pytest-xdist; a
+## test file stays in one process, so the tests of a file share their module's fixtures as in a serial run)
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q -x --durations=15
+	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) work
