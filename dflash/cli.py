@@ -171,7 +171,7 @@ def cache_verify(path, threads, repair):
 @option("--layers", help="Target layer ids to capture, e.g. 1,9,17,25,33.", default_text="DFlash's rule, K from 1 to L-3")
 @option("--num-context-layers", type=int, help="K for the default layer rule.", default_text="5")
 @option("--rows-per-shard", type=int, help="Rows per committed shard.", default_text="~512 MB of hidden states")
-@option("--batch-rows", type=int, help="Rows per target forward.", default_text="~16k tokens")
+@option("--batch-rows", type=int, help="Rows per target forward.", default_text="~16k tokens (~4k on a CPU)")
 @option("--dtype", type=click.Choice(["auto", "bfloat16", "float32"]), help="Target dtype.", default_text="bf16 on GPU, fp32 on CPU")
 @option("--attn", type=click.Choice(["auto", "flex", "sdpa"]), help="Packed attention.", default_text="flex on GPU, sdpa on CPU")
 @option("--codec", type=click.Choice(list(dflash_cache.format.CODECS)), help="Hidden-state compression.")

@@ -101,3 +101,51 @@ def test_the_bar_runs_on_its_own_clock():
     text = str(bar)
     assert re.search(r"3/10 \[00:32<00:07, +1\.00tok/s\]", text), text
     bar.close()
+
+
+def test_a_logged_bar_prints_its_first_eta_at_once():
+    """In a log a bar draws a line every 30 s: in a 40 s stage that put the first ETA at 73%. The line with the
+    first ETA is drawn as soon as the rate is known; the next waits for the interval again."""
+    now = [0.0]
+    out = io.StringIO()
+    bar = Bar(total=10, file=out, mininterval=30, warmup=0, unit="tok", clock=lambda: now[0], eta_line=True)
+    now[0] += 4.0
+    bar.update(1)
+    assert re.search(r"1/10 \[00:04<00:36", out.getvalue()), out.getvalue()
+    drawn = out.getvalue()
+    now[0] += 4.0
+    bar.update(1)
+    assert out.getvalue() == drawn  # within the interval: nothing more
+    quiet = Bar(total=10, file=io.StringIO(), mininterval=30, warmup=0, unit="tok", clock=lambda: now[0])
+    now[0] += 4.0
+    quiet.update(1)
+    assert not re.search(r"<\d\d:\d\d", quiet.fp.getvalue())  # eta_line off: tqdm's interval alone (the terminal's bar)
+    bar.close()
+    quiet.close()
+
+
+def test_extract_on_a_cpu_logs_an_eta_within_the_first_quarter(tmp_path):
+    """`dflash extract` on a CPU, its stderr a file (no tty): the first line with an ETA comes after at most a quarter
+    of the tokens (a forward of ~4k tokens on a CPU, the first ETA line drawn at once); it came at the end before."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.tiny import chat_rows, make_tiny_target, write_jsonl
+
+    target = make_tiny_target(tmp_path / "target", num_layers=2, hidden=32)
+    data = write_jsonl(tmp_path / "chat.jsonl", chat_rows(200, seed=5, turns=(1, 1)))
+    log = tmp_path / "extract.log"
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+    with open(log, "w") as err:
+        p = subprocess.run([sys.executable, "-m", "dflash", "extract", "--target", target, "--data", data, "--out",
+                            str(tmp_path / "cache"), "--seq-len", "256", "--layers", "0,1", "--device", "cpu",
+                            "--tokenize-cache", "off"], stdout=subprocess.PIPE, stderr=err, text=True, timeout=300)
+    text = log.read_text()
+    assert p.returncode == 0, p.stdout + text
+    lines = [s for s in re.split(r"[\r\n]+", text) if s.startswith("extract:")]
+    with_eta = [s for s in lines if re.search(r"<\d+:\d\d", s)]
+    assert with_eta, lines
+    d, dk, t, tk = re.search(r"([\d.]+)(k?)/([\d.]+)(k?) \[", with_eta[0]).groups()
+    done, total = float(d) * (1000 if dk else 1), float(t) * (1000 if tk else 1)
+    assert done / total <= 0.25, (with_eta[0], lines)
