@@ -11,6 +11,8 @@ Per shape:
   * step b1: one token of one sequence after --context tokens (the target alone in `dflash eval`);
   * verify 16: a block of 16 tokens of one sequence (the verify of a drafted block);
   * decode bN: one token for each of N sequences of --context tokens each (regenerate's batched step), as tokens/s;
+each in the modes of --modes: eager, graph (the static decoder's step, its layers the HF modules) and fused (its
+layers through two compiled functions, the pointwise work fused: StaticDecoder(fused=True));
 each with the bound = (weight bytes + KV bytes read) / --bandwidth (the H200's ~4.8 TB/s): a step cannot be
 faster than reading its weights and its KV cache once. `x bound` = measured / bound.
 """
@@ -93,9 +95,9 @@ def eager_step(m, context: int, q: int):
     return fn
 
 
-def graph_step(m, batch: int, context: int, q: int):
+def graph_step(m, batch: int, context: int, q: int, fused: bool = False):
     dev = next(m.parameters()).device
-    dec = StaticDecoder(m, slots=batch, max_len=context + 16, max_q=max(q, 1))
+    dec = StaticDecoder(m, slots=batch, max_len=context + 16, max_q=max(q, 1), fused=fused)
     ids = torch.randint(0, m.config.vocab_size, (batch, context), device=dev)
     for lo in range(0, batch, 64):  # the prompts into their slots, in chunks
         with decode_sdpa():
@@ -122,15 +124,22 @@ def run(shape: str, args, dev) -> list[dict]:
         print(json.dumps(rows[-1]), flush=True)
 
     c = args.context
-    add("step b1", "eager", timed(eager_step(m, c, 1), args.iters), 1, c)
-    add("step b1", "graph", timed(graph_step(m, 1, c, 1), args.iters), 1, c)
-    add("verify 16", "eager", timed(eager_step(m, c, 16), args.iters), 16, c + 16)
-    add("verify 16", "graph", timed(graph_step(m, 1, c, 16), args.iters), 16, c + 16)
+    modes = args.modes.split(",")
+    graphs = [(mode, mode == "fused") for mode in modes if mode in ("graph", "fused")]
+    if "eager" in modes:
+        add("step b1", "eager", timed(eager_step(m, c, 1), args.iters), 1, c)
+    for mode, fused in graphs:
+        add("step b1", mode, timed(graph_step(m, 1, c, 1, fused), args.iters), 1, c)
+    if "eager" in modes:
+        add("verify 16", "eager", timed(eager_step(m, c, 16), args.iters), 16, c + 16)
+    for mode, fused in graphs:
+        add("verify 16", mode, timed(graph_step(m, 1, c, 16, fused), args.iters), 16, c + 16)
     for b in args.batches:
         if shape != "recipe" and b > 256:
             continue  # 8B shape: 256 x 512 tokens of KV is already 19 GB
-        add(f"decode b{b}", "graph", timed(graph_step(m, b, c, 1), args.iters), b, b * c)
-        torch.cuda.empty_cache()
+        for mode, fused in graphs:
+            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused), args.iters), b, b * c)
+            torch.cuda.empty_cache()
     del m
     torch.cuda.empty_cache()
     return rows
@@ -142,6 +151,9 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256,1024", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--modes", default="eager,graph,fused",
+                    help="eager (HF forward), graph (StaticDecoder, its layers the HF modules), fused (its layers "
+                         "through the compiled functions, fused_layers)")
     ap.add_argument("--bandwidth", type=float, default=4.8, help="HBM bandwidth in TB/s (the H200's datasheet)")
     ap.add_argument("--json")
     args = ap.parse_args()

@@ -154,14 +154,19 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
     V = m.config.vocab_size
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, V, (4, 40), generator=g).cuda()
-    decs = [StaticDecoder(m, slots=4, max_len=64, layer_ids=[1, 3], bucket=16, graphs=on) for on in (False, True)]
+    # uncaptured, captured (both with the fused layers, a GPU's default) and captured with the HF modules' layers
+    decs = [StaticDecoder(m, slots=4, max_len=64, layer_ids=[1, 3], bucket=16, graphs=on, fused=fused)
+            for on, fused in ((False, None), (True, None), (True, False))]
+    assert [d.fused for d in decs] == [True, True, False]
     for d in decs:
         d.prefill(ids[:, :20], torch.arange(4, device="cuda"))
     for t in range(20, 40):  # spans of 32 then 48 columns
         start = torch.full((4,), t, dtype=torch.long, device="cuda")
-        (a, ha), (b, hb) = (d.step(ids[:, t:t + 1], start, t + 1) for d in decs)
+        (a, ha), (b, hb), (c, hc) = (d.step(ids[:, t:t + 1], start, t + 1) for d in decs)
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(ha, hb, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(c, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(hc, hb, atol=1e-4, rtol=1e-4)
     assert decs[1].captures >= 2 and not decs[0].captures  # two buckets of 16 columns were crossed
     prompts = [ids[i, :n].tolist() for i, n in enumerate((5, 17, 30, 9))]
     for kw in ({}, {"temperature": 1.0, "top_p": 0.9, "seed": 5}):

@@ -45,14 +45,17 @@ def hf_outputs(model, ids: list[int], layers: list[int]):
     return out.logits[0], torch.cat([hs[i + 1][0] for i in layers], -1)
 
 
-def test_prefill_and_steps_equal_the_hf_forward(tiny):
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.cxx)], ids=["modules", "fused"])
+def test_prefill_and_steps_equal_the_hf_forward(tiny, fused):
+    """fused: the step's layers through the compiled functions (fused_layers), as on a GPU by default."""
     m = tiny["model"]
     V = m.config.vocab_size
     rng = random.Random(0)
     seqs = [[rng.randrange(3, V) for _ in range(n)] for n in (10, 14, 30)]
     L = m.config.num_hidden_layers
     layers = [1, 3, L - 1]  # the last layer is captured after the final norm
-    dec = StaticDecoder(m, slots=3, max_len=64, layer_ids=layers, bucket=16)
+    dec = StaticDecoder(m, slots=3, max_len=64, layer_ids=layers, bucket=16, fused=fused)
+    assert dec.fused == fused
     prompt_lens = [3, 7, 20]
     w = max(prompt_lens)
     ids = torch.zeros(3, w, dtype=torch.long)
