@@ -86,7 +86,7 @@ def dflash_step(model, dev, cuda: bool, rows, seq_len, anchors, gamma, extra_lay
     return step, losses
 
 
-def speculators_step(mine, dev, cuda: bool, rows, seq_len, anchors, gamma):
+def speculators_step(mine, dev, cuda: bool, rows, seq_len, anchors, gamma, loss_impl: str):
     """speculators' DFlash2DraftModel with mine's weights, on the rows as one packed row (module docstring)."""
     from transformers import Qwen3Config
 
@@ -120,8 +120,7 @@ def speculators_step(mine, dev, cuda: bool, rows, seq_len, anchors, gamma):
     kw = dict(hidden_states=hid[..., :K].reshape(1, -1, K), input_ids=ids.reshape(1, -1),
               loss_mask=lm.reshape(1, -1), verifier_last_hidden_states=hid[..., K:].reshape(1, -1, c.hidden_size),
               document_ids=docs.reshape(1, -1), position_ids=pos, max_anchors=rows * anchors, gamma=gamma,
-              loss_config=resolve_loss_config("kl_div", "fused" if cuda else "eager"),
-              tv_loss_fn=resolve_loss_config("tv", "fused" if cuda else "eager")["tv"][0])
+              loss_config=resolve_loss_config("kl_div", loss_impl), tv_loss_fn=resolve_loss_config("tv", loss_impl)["tv"][0])
     params = [p for p in ref.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)
     losses = []
@@ -149,7 +148,8 @@ def run_dflash2(a, dev, cuda) -> dict:
     model.to(dev, dtype)
     out = {}
     makers = {"dflash": lambda: dflash_step(model, dev, cuda, a.rows, a.seq_len, a.anchors, a.gamma, 1),
-              "speculators": lambda: speculators_step(model, dev, cuda, a.rows, a.seq_len, a.anchors, a.gamma)}
+              "speculators": lambda: speculators_step(model, dev, cuda, a.rows, a.seq_len, a.anchors, a.gamma,
+                                                    a.spec_loss or ("fused" if cuda else "eager"))}
     for name in a.impls.split(","):
         step, losses = makers[name]()
         t0 = time.perf_counter()
@@ -158,6 +158,11 @@ def run_dflash2(a, dev, cuda) -> dict:
         times = timed(step, a.steps, cuda)
         out[name] = {"step_s": statistics.median(times), "first_call_s": first, "first_loss": float(losses[0])}
         print(name, out[name], flush=True)
+        if a.profile and cuda:  # where the step's time goes: kernels by device time
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                timed(step, 3, cuda)
+            print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=90),
+                  flush=True)
     if "dflash" in out and "speculators" in out:
         out["speedup"] = out["speculators"]["step_s"] / out["dflash"]["step_s"]
     return out
@@ -200,6 +205,10 @@ def main():
     p.add_argument("--gamma", type=float, default=7.0)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--impls", default="dflash,speculators")
+    p.add_argument("--spec-loss", choices=["fused", "eager"],
+                   help="speculators' loss kernels (default: fused on CUDA; its fused Triton KL does not trace under "
+                        "its own torch.compile with torch 2.11: eager is then its working configuration)")
+    p.add_argument("--profile", action="store_true", help="--mode dflash2: print each step's kernels by device time")
     p.add_argument("--seq-lens", default="3072,16384")
     p.add_argument("--window", type=int, default=2048)
     p.add_argument("--json", help="write the results here")
