@@ -12,7 +12,9 @@ Per shape:
   * verify 16: a block of 16 tokens of one sequence (the verify of a drafted block);
   * decode bN: one token for each of N sequences of --context tokens each (regenerate's batched step), as tokens/s;
 each in the modes of --modes: eager, graph (the static decoder's step, its layers the HF modules) and fused (its
-layers through two compiled functions, the pointwise work fused: StaticDecoder(fused=True));
+layers through two compiled functions, the pointwise work fused: StaticDecoder(fused=True)); with --mixed LO-HI
+the batched steps also with row lengths uniform in [LO, HI] (the bound then counts each row's own columns, while the
+step attends over the longest row's);
 each with the bound = (weight bytes + KV bytes read) / --bandwidth (the H200's ~4.8 TB/s): a step cannot be
 faster than reading its weights and its KV cache once. `x bound` = measured / bound.
 """
@@ -95,19 +97,23 @@ def eager_step(m, context: int, q: int):
     return fn
 
 
-def graph_step(m, batch: int, context: int, q: int, fused: bool = False):
+def graph_step(m, batch: int, context: int, q: int, fused: bool = False, lengths: list[int] | None = None):
+    """A step of the static decoder after `context` tokens per row (or each row's own of `lengths`)."""
     dev = next(m.parameters()).device
-    dec = StaticDecoder(m, slots=batch, max_len=context + 16, max_q=max(q, 1), fused=fused)
-    ids = torch.randint(0, m.config.vocab_size, (batch, context), device=dev)
+    lengths = lengths or [context] * batch
+    longest = max(lengths)
+    dec = StaticDecoder(m, slots=batch, max_len=longest + 16, max_q=max(q, 1), fused=fused)
+    ids = torch.randint(0, m.config.vocab_size, (batch, longest), device=dev)
+    lens = torch.tensor(lengths, device=dev)
     for lo in range(0, batch, 64):  # the prompts into their slots, in chunks
         with decode_sdpa():
-            dec.prefill(ids[lo:lo + 64], torch.arange(lo, min(batch, lo + 64), device=dev))
+            dec.prefill(ids[lo:lo + 64], torch.arange(lo, min(batch, lo + 64), device=dev), lens[lo:lo + 64])
     step = torch.randint(0, m.config.vocab_size, (batch, q), device=dev)
-    start = torch.full((batch,), context, dtype=torch.long, device=dev)
+    start = lens.clone()
 
     def fn():
         with decode_sdpa():
-            dec.step(step, start, context + q, all_logits=q > 1)
+            dec.step(step, start, longest + q, all_logits=q > 1)
     return fn
 
 
@@ -140,6 +146,14 @@ def run(shape: str, args, dev) -> list[dict]:
         for mode, fused in graphs:
             add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused), args.iters), b, b * c)
             torch.cuda.empty_cache()
+        if args.mixed:  # rows of unequal lengths: every row attends over the longest row's columns
+            lo, hi = (int(x) for x in args.mixed.split("-"))
+            g = torch.Generator().manual_seed(0)
+            lengths = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
+            for mode, fused in graphs:
+                fn = graph_step(m, b, c, 1, fused, lengths)
+                add(f"decode b{b} mixed {lo}-{hi}", mode, timed(fn, args.iters), b, sum(lengths))
+                torch.cuda.empty_cache()
     del m
     torch.cuda.empty_cache()
     return rows
@@ -154,6 +168,7 @@ def main() -> None:
     ap.add_argument("--modes", default="eager,graph,fused",
                     help="eager (HF forward), graph (StaticDecoder, its layers the HF modules), fused (its layers "
                          "through the compiled functions, fused_layers)")
+    ap.add_argument("--mixed", help="LO-HI: also the batched steps with row lengths uniform in [LO, HI] (seeded)")
     ap.add_argument("--bandwidth", type=float, default=4.8, help="HBM bandwidth in TB/s (the H200's datasheet)")
     ap.add_argument("--json")
     args = ap.parse_args()
