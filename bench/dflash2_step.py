@@ -1,5 +1,5 @@
 """Issue 43's training-step bars: the DFlash2 step against speculators' own, and the windowed DFlash step's cost per
-token at long rows. Not yet run on a GPU (BENCHMARKS.md gets the figures when it is).
+token at long rows. BENCHMARKS.md, "DFlash2 and windowed drafters".
 
     python bench/dflash2_step.py --mode dflash2                    # Qwen3-8B shape: 5 layers, B 16, 4 x 3072, 512 anchors
     python bench/dflash2_step.py --mode window --seq-lens 3072,16384 --window 2048
