@@ -264,7 +264,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss, "
         "decoding tau (greedy speculative decoding simulated along each held-out answer, what `dflash eval` measures "
         "on answers the target wrote) and expected tau at every checkpoint and at the end, in metrics.jsonl and "
-        "summary.json.", default_text="none")
+        "summary.json. With --arch dflash2 it must hold the target's last hidden state (extract --last-hidden), "
+        "and its drafts are the selector's greedy path, as `dflash eval` drafts.", default_text="none")
 @option("--val-rows", type=int, help="Rows of --val-cache per validation (0 = all).")
 @option("--val-max-new-tokens", type=int, help="The decoding tau stops each held-out answer after this many tokens, "
         "as `dflash eval --max-new-tokens` does (0 = whole answers).")

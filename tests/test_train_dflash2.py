@@ -9,7 +9,10 @@ What is covered:
         candidate_selector tensors) and loads back as a DFlash2Drafter
     SIGKILL after a checkpoint + rerun: the same losses and weights, bit for bit, as an uninterrupted run
     a windowed DFlash run: final/ names each layer's kind, the window and the bidirectional block for the engines
-    a dflash2 run on a cache without the last hidden state, and --val-cache with dflash2: one error line
+    --val-cache with dflash2: held-out loss, decoding and expected tau at every checkpoint, measured again from
+        the checkpoint; each held-out block's accepted drafts are those of drafting it alone with the selector's greedy
+        path (eval's) and checking them against the target's argmax
+    a dflash2 run on a cache, or a --val-cache, without the last hidden state: one error line
 """
 
 from __future__ import annotations
@@ -19,7 +22,11 @@ import torch
 
 import dflash_cache
 from dflash.train.checkpoint import load_drafter
+from dflash.train.blocks import anchor_positions
 from dflash.train.dflash2 import DFlash2Drafter
+from dflash.train.dflash2_drafting import greedy_selector_path
+from dflash.train.target_head import load_target_head
+from dflash.train.validate import Validator
 from tests.test_train import (SEQ, assert_clean_error, cli, dflash, kill_when, latest_step, logged_steps, losses,
                               metrics, ok, read_json, weights)
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
@@ -36,9 +43,10 @@ def env2(tmp_path_factory):
     target = make_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(40, seed=3))
     caches = {}
-    for name, more in (("last", ["--last-hidden"]), ("plain", [])):
+    held = write_jsonl(root / "held.jsonl", chat_rows(8, seed=11))
+    for name, source, more in (("last", data, ["--last-hidden"]), ("plain", data, []), ("val", held, ["--last-hidden"])):
         caches[name] = root / name
-        dflash("extract", "--target", target, "--data", data, "--out", caches[name], "--seq-len", SEQ,
+        dflash("extract", "--target", target, "--data", source, "--out", caches[name], "--seq-len", SEQ,
                "--rows-per-shard", 8, *more)
     preset = root / "dflash2.yaml"
     preset.write_text(PRESET)
@@ -136,7 +144,52 @@ def test_a_windowed_run_records_its_layers_and_window_for_the_engines(env2, tmp_
 def test_dflash2_without_the_last_hidden_state_is_one_error_line(env2, tmp_path):
     code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, cache="plain"))
     assert_clean_error(code, err, "--arch dflash2", "--last-hidden", str(env2["plain"]))
-    code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, "--val-cache", env2["last"]))
-    assert_clean_error(code, err, "--val-cache", "dflash2")
+    code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, "--val-cache", env2["plain"]))
+    assert_clean_error(code, err, "--val-cache", str(env2["plain"]), "last hidden state", "--last-hidden")
     code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, "--draft-layer-types", "sliding_attention"))
     assert_clean_error(code, err, "--draft-layer-types", "--draft-window")
+
+
+def test_dflash2_held_out_metrics_follow_the_selectors_greedy_path(env2, tmp_path):
+    run = tmp_path / "run"
+    out = ok(*base2(env2, run, "--max-steps", 30, "--save-every", 15, "--log-every", 15, "--lr", 1e-2,
+                    "--val-cache", env2["val"], "--val-rows", 0))
+    held = [r for r in metrics(run) if "val_loss" in r]
+    assert [r["step"] for r in held] == [15, 30]
+    for r in held:
+        assert r["val_blocks"] > 0 and r["val_loss"] > 0 and len(r["val_slot_acc"]) == 3
+        assert 1.0 <= r["val_tau_expected"] <= 4.0 and 1.0 <= r["val_tau_decode"] <= 4.0
+    assert f"decoding tau {held[1]['val_tau_decode']:.2f}" in out and read_json(run / "summary.json")["val"] == held[1]
+
+    model = load_drafter(str(run / "checkpoints" / "step_00000030"), attn_impl="split")  # float32, as it trained
+    model.set_target_head(*load_target_head(str(env2["target"])))
+    val = dflash_cache.open(str(env2["val"]))
+    v = Validator(str(env2["val"]), val, {}, 0, 2, 16, 7.0, torch.device("cpu"), keep_accepted=True, last_hidden=True)
+    again = v(model)
+    for k in ("val_loss", "val_tau_expected", "val_tau_decode", "val_blocks"):
+        assert again[k] == pytest.approx(held[1][k], rel=1e-5), k
+
+    # every held-out anchor drafted alone, after its document's context, by the selector's greedy path
+    B, H = model.cfg.block_size, model.cfg.hidden_size
+    checked = accepted_somewhere = 0
+    with torch.no_grad():
+        for i in range(len(val)):
+            x = val.read_rows([i], raw=True)
+            ids, lm, doc, hidden = x["input_ids"][0].long(), x["loss_mask"][0], x["doc_ids"][0], x["hidden"].float()
+            target_next = (hidden[0, :, -H:] @ model.lm_head_weight.t()).argmax(-1)  # the target's token after t
+            for p in anchor_positions(x["loss_mask"], x["doc_ids"])[0].nonzero()[:, 0].tolist():
+                start = int((doc == doc[p]).nonzero()[0])
+                cache = model.new_cache(1, SEQ)
+                model.extend_context(cache, hidden[:, start:p], torch.arange(p - start)[None])
+                block = torch.full((1, B), model.cfg.mask_token_id)
+                block[0, 0] = ids[p]
+                h = model.draft_states(cache, block, (p - start + torch.arange(B))[None])[0]
+                drafts = greedy_selector_path(model, h, ids[p])
+                n = 0
+                while n < B - 1 and p + n + 1 < SEQ and lm[p + n + 1] > 0 and doc[p + n + 1] == doc[p] \
+                        and drafts[n] == target_next[p + n]:
+                    n += 1
+                assert v.accepted[i][0][p] == n, (i, p)
+                checked += 1
+                accepted_somewhere += n > 0
+    assert checked > 20 and accepted_somewhere > 0
