@@ -333,6 +333,10 @@ def train(preset, gpus, no_progress, **flags):
 @click.option("--extract-args", default="", help='More `dflash extract` flags, as one string: "--seq-len 4096 '
               '--hidden-dtype fp8".')
 @click.option("--train-args", default="", help='More `dflash train` flags, as one string: "--epochs 2".')
+@click.option("--arch", type=click.Choice(["dflash", "dflash2"]),
+              help="The trainer's --arch. dflash2 (here, in --train-args or in the preset) makes the extraction record "
+                   "the target's last hidden state (extract --last-hidden), and refuses an existing --cache without it."
+                   "  [default: --train-args' or the preset's, else dflash]")
 @click.option("--status-every", type=float, default=60.0, show_default=True,
               help="Seconds between the lines that say how far both are.")
 @click.option("--json", "json_out", help="Also write both summaries and the wall clock to this JSON file.")

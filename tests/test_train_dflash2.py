@@ -193,3 +193,44 @@ def test_dflash2_held_out_metrics_follow_the_selectors_greedy_path(env2, tmp_pat
                 checked += 1
                 accepted_somewhere += n > 0
     assert checked > 20 and accepted_somewhere > 0
+
+
+def pipeline_config(env2, tmp_path, **kw):
+    from dflash.pipeline import PipelineConfig
+
+    return PipelineConfig(target=str(env2["target"]), data=str(env2["root"] / "chat.jsonl"),
+                          cache=str(tmp_path / "cache"), out=str(tmp_path / "run"), **kw)
+
+
+def test_a_dflash2_pipeline_extracts_the_last_hidden_state_however_dflash2_is_asked(env2, tmp_path):
+    from dflash.pipeline import commands
+
+    def extract_argv(**kw) -> list[str]:
+        return commands(pipeline_config(env2, tmp_path, **kw), "summary.json")["extract"][0]
+
+    assert "--last-hidden" not in extract_argv()
+    assert "--last-hidden" not in extract_argv(train_args="--arch dflash")
+    assert extract_argv(arch="dflash2").count("--last-hidden") == 1
+    assert extract_argv(train_args="--arch=dflash2 --max-steps 3").count("--last-hidden") == 1
+    assert extract_argv(arch="dflash2", extract_args="--last-hidden").count("--last-hidden") == 1
+    preset = tmp_path / "p.yaml"
+    preset.write_text("train:\n  arch: dflash2\n")
+    assert extract_argv(preset=str(preset)).count("--last-hidden") == 1
+    assert "--last-hidden" not in extract_argv(preset=str(preset), arch="dflash")  # the flag wins
+    train = commands(pipeline_config(env2, tmp_path, arch="dflash2"), "summary.json")["train"][0]
+    assert train[train.index("--arch") + 1] == "dflash2"
+
+
+def test_a_dflash2_pipeline_runs_end_to_end_and_refuses_a_cache_without_the_last_hidden_state(env2, tmp_path):
+    small = "--drafter-layers 1 --block-size 4 --num-anchors 16 --batch-rows 2 --max-steps 3"
+    common = ["pipeline", "--target", env2["target"], "--data", env2["root"] / "chat.jsonl", "--arch", "dflash2",
+              "--config", env2["preset"], "--status-every", "30", "--extract-args", f"--seq-len {SEQ} --rows-per-shard 8"]
+    ok(*common, "--cache", tmp_path / "cache", "--out", tmp_path / "run", "--train-args", small)
+    assert dflash_cache.open(str(tmp_path / "cache")).last_hidden
+    assert isinstance(load_drafter(str(tmp_path / "run" / "final")), DFlash2Drafter)
+
+    code, out, err = cli(*common, "--cache", env2["plain"], "--out", tmp_path / "run2", "--train-args", small)
+    assert_clean_error(code, err, "--cache", str(env2["plain"]), "last hidden state", "--arch dflash2")
+    assert "pipeline:" not in out and not (tmp_path / "run2").exists()  # no job started
+    code, _, err = cli(*common, "--cache", tmp_path / "c3", "--out", tmp_path / "run3", "--train-args", "--arch dflash")
+    assert_clean_error(code, err, "--train-args", "--arch dflash", "contradicts")
