@@ -234,3 +234,33 @@ def test_a_dflash2_pipeline_runs_end_to_end_and_refuses_a_cache_without_the_last
     assert "pipeline:" not in out and not (tmp_path / "run2").exists()  # no job started
     code, _, err = cli(*common, "--cache", tmp_path / "c3", "--out", tmp_path / "run3", "--train-args", "--arch dflash")
     assert_clean_error(code, err, "--train-args", "--arch dflash", "contradicts")
+
+
+def test_dflash2_settings_are_flags_and_preset_keys_refused_with_dflash(env2, tmp_path):
+    run = tmp_path / "run"
+    flags = ["--conv-kernel-size", 3, "--conv-group-size", 8, "--selector-rank", 6, "--selector-top-k", 5,
+             "--selector-loss-alpha", 0.5]
+    ok(*base2(env2, run, "--max-steps", 2, *flags))  # flags over the preset's selector_rank 8, selector_top_k 4
+    conf = read_json(run / "final" / "config.json")
+    assert (conf["conv_kernel_size"], conf["conv_group_size"], conf["selector_rank"], conf["selector_top_k"]) == \
+        (3, 8, 6, 5)
+    assert read_json(run / "run.json")["config"]["selector_loss_alpha"] == 0.5
+    w = weights(run / "final")
+    assert tuple(w["layers.0.attention_conv.base_kernel"].shape) == (2, 3, 64)
+    assert tuple(w["layers.0.mlp_conv.kernel_projection.weight"].shape) == (2 * 3 * 64 // 8, 64)
+    assert tuple(w["candidate_selector.predecessor_codebook"].shape)[1] == 6
+
+    plain = ["train", "--cache", env2["plain"], "--target", env2["target"], "--out", tmp_path / "r2", "--max-steps", 2]
+    for name, value in zip(flags[::2], flags[1::2]):  # refused with --arch dflash, the default
+        code, _, err = cli(*plain, name, value)
+        assert_clean_error(code, err, name, "--arch dflash2")
+    code, _, err = cli(*plain, "--arch", "dflash", "--selector-top-k", 16)  # even at its default
+    assert_clean_error(code, err, "--selector-top-k", "--arch dflash2")
+    code, _, err = cli(*plain, "--config", env2["preset"])  # a preset's key too
+    assert_clean_error(code, err, "--selector-rank", "--arch dflash2", f"set by --config {env2['preset']}")
+    assert not (tmp_path / "r2").exists()
+
+    out = ok("train", "--help")
+    for name, default in zip(flags[::2], (2, 16, 256, 16, 1.0)):
+        text = " ".join(out.split(f"  {name} ", 1)[1].split("\n  --", 1)[0].split())  # its help, unwrapped
+        assert text.startswith(("INTEGER dflash2: ", "FLOAT dflash2: ")) and text.endswith(f"[default: {default}]"), text

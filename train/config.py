@@ -102,6 +102,9 @@ class TrainConfig:
                   f"entries must be {' or '.join(LAYER_TYPES)}, got {kinds!r}")
             check("sliding_attention" not in kinds or self.draft_window is not None, "draft_layer_types",
                   "has sliding_attention layers: give --draft-window")
+        for name in DFLASH2_SETTINGS:  # a preset's (or the API's) value that a DFlash drafter would not use
+            check(self.arch == "dflash2" or getattr(self, name) == type(self).__dataclass_fields__[name].default, name,
+                  DFLASH2_ONLY)
         check(self.conv_kernel_size >= 1, "conv_kernel_size", f"must be >= 1, got {self.conv_kernel_size}")
         check(self.conv_kernel_size <= self.block_size, "conv_kernel_size",
               f"must be <= --block-size {self.block_size}, got {self.conv_kernel_size}")
@@ -152,6 +155,12 @@ class TrainConfig:
 
 
 ARCHS = ("dflash", "dflash2")
+# DFlash2's own settings (`dflash train --conv-kernel-size` ...; the same keys in a preset's train section): refused
+# with --arch dflash (a preset's or the API's value only where it is not the default)
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
+# the refusal of one given to another arch (after its flag's name)
+DFLASH2_ONLY = ("is a setting of --arch dflash2 (the DFlash drafter has no block convolution or candidate selector): "
+                "give --arch dflash2, or leave it out")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
