@@ -235,7 +235,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--arch", type=click.Choice(["dflash", "dflash2"]),
         help="dflash, or dflash2: grouped causal convolutions inside the block and a candidate selector reranking "
              "each slot's top-k, trained on the target's distribution (needs a cache from `dflash extract "
-             "--last-hidden`). Not yet benchmarked on a GPU.")
+             "--last-hidden`; --val-cache too). Its draft step in `dflash eval` is one CUDA graph on a GPU, the "
+             "selector's greedy pass included, as dflash's. Not yet benchmarked on a GPU.")
 @option("--conv-kernel-size", type=int, help="dflash2: taps of each layer's grouped causal convolution over the "
         "block's slots (at most --block-size).")
 @option("--conv-group-size", type=int, help="dflash2: channels per group of the convolution's token-conditioned "

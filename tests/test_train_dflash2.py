@@ -44,7 +44,8 @@ def env2(tmp_path_factory):
     data = write_jsonl(root / "chat.jsonl", chat_rows(40, seed=3))
     caches = {}
     held = write_jsonl(root / "held.jsonl", chat_rows(8, seed=11))
-    for name, source, more in (("last", data, ["--last-hidden"]), ("plain", data, []), ("val", held, ["--last-hidden"])):
+    for name, source, more in (("last", data, ["--last-hidden"]), ("plain", data, []),
+                               ("val", held, ["--last-hidden"])):
         caches[name] = root / name
         dflash("extract", "--target", target, "--data", source, "--out", caches[name], "--seq-len", SEQ,
                "--rows-per-shard", 8, *more)
@@ -224,7 +225,8 @@ def test_a_dflash2_pipeline_extracts_the_last_hidden_state_however_dflash2_is_as
 def test_a_dflash2_pipeline_runs_end_to_end_and_refuses_a_cache_without_the_last_hidden_state(env2, tmp_path):
     small = "--drafter-layers 1 --block-size 4 --num-anchors 16 --batch-rows 2 --max-steps 3"
     common = ["pipeline", "--target", env2["target"], "--data", env2["root"] / "chat.jsonl", "--arch", "dflash2",
-              "--config", env2["preset"], "--status-every", "30", "--extract-args", f"--seq-len {SEQ} --rows-per-shard 8"]
+              "--config", env2["preset"], "--status-every", "30",
+              "--extract-args", f"--seq-len {SEQ} --rows-per-shard 8"]
     ok(*common, "--cache", tmp_path / "cache", "--out", tmp_path / "run", "--train-args", small)
     assert dflash_cache.open(str(tmp_path / "cache")).last_hidden
     assert isinstance(load_drafter(str(tmp_path / "run" / "final")), DFlash2Drafter)
@@ -263,4 +265,5 @@ def test_dflash2_settings_are_flags_and_preset_keys_refused_with_dflash(env2, tm
     out = ok("train", "--help")
     for name, default in zip(flags[::2], (2, 16, 256, 16, 1.0)):
         text = " ".join(out.split(f"  {name} ", 1)[1].split("\n  --", 1)[0].split())  # its help, unwrapped
-        assert text.startswith(("INTEGER dflash2: ", "FLOAT dflash2: ")) and text.endswith(f"[default: {default}]"), text
+        assert text.startswith(("INTEGER dflash2: ", "FLOAT dflash2: ")), text
+        assert text.endswith(f"[default: {default}]"), text
