@@ -5,7 +5,10 @@
     the selector's greedy pass: each slot's draft is its best-scored candidate given the draft before it, the scores
         recomputed here from the selector's tensors; with a selector of weight it drafts otherwise than the argmax;
     speculative decoding with a DFlash2 drafter, and with a windowed DFlash drafter, gives the tokens of a plain HF
-        greedy loop (tests/workload.py hf_greedy): lossless.
+        greedy loop (tests/workload.py hf_greedy): lossless;
+    the fixed-shape DFlash2 step (StaticDraft2, a CUDA graph on a GPU: tests/test_gpu.py) drafts every block of a
+        decoding exactly as the eager step, and its one check against the eager step names a draft the selector
+        would not choose.
 """
 
 from __future__ import annotations
