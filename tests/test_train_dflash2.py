@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import dflash_cache
-from dflash.train.checkpoint import load_drafter
 from dflash.train.blocks import anchor_positions
+from dflash.train.checkpoint import load_drafter
 from dflash.train.dflash2 import DFlash2Drafter
 from dflash.train.dflash2_drafting import greedy_selector_path
 from dflash.train.target_head import load_target_head
@@ -38,7 +38,8 @@ PRESET = "train:\n  selector_rank: 8\n  selector_top_k: 4\n"
 
 @pytest.fixture(scope="module")
 def env2(tmp_path_factory):
-    """A tiny target and two caches of the same data: one with the target's last hidden state, one without."""
+    """A tiny target, two caches of the same data (one with the target's last hidden state, one without) and one with
+    it of held-out conversations."""
     root = tmp_path_factory.mktemp("train2")
     target = make_tiny_target(root / "target")
     data = write_jsonl(root / "chat.jsonl", chat_rows(40, seed=3))
