@@ -26,7 +26,7 @@ from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors
     refuse_gpus_under_torchrun,
     relaunch_with_gpus,
 )
-from dflash.core.config import build, parse_int_list, parse_kv
+from dflash.core.config import ConfigError, build, flag, parse_int_list, parse_kv
 from dflash.core.paths import (
     check_apart,
     check_cache_path,
@@ -235,7 +235,16 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--arch", type=click.Choice(["dflash", "dflash2"]),
         help="dflash, or dflash2: grouped causal convolutions inside the block and a candidate selector reranking "
              "each slot's top-k, trained on the target's distribution (needs a cache from `dflash extract "
-             "--last-hidden`). Not yet benchmarked on a GPU.")
+             "--last-hidden`; --val-cache too). Its draft step in `dflash eval` is one CUDA graph on a GPU, the "
+             "selector's greedy pass included, as dflash's. Not yet benchmarked on a GPU.")
+@option("--conv-kernel-size", type=int, help="dflash2: taps of each layer's grouped causal convolution over the "
+        "block's slots (at most --block-size).")
+@option("--conv-group-size", type=int, help="dflash2: channels per group of the convolution's token-conditioned "
+        "kernel (must divide the target's hidden size).")
+@option("--selector-rank", type=int, help="dflash2: rank of the candidate selector's bilinear term.")
+@option("--selector-top-k", type=int, help="dflash2: candidates per slot (the unary top-k) the selector reranks.")
+@option("--selector-loss-alpha", type=float, help="dflash2: weight of the selector's loss beside the KL to the "
+        "target's distribution.")
 @option("--drafter-layers", type=int, help="Drafter decoder layers.")
 @option("--draft-window", type=int, help="Sliding-window draft layers: each block sees this many context positions "
         "before its anchor (and its own block, bidirectionally), so the step's cost stays flat in the row length.",
@@ -264,7 +273,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--val-cache", help="A cache extracted from held-out conversations (same target and layers): held-out loss, "
         "decoding tau (greedy speculative decoding simulated along each held-out answer, what `dflash eval` measures "
         "on answers the target wrote) and expected tau at every checkpoint and at the end, in metrics.jsonl and "
-        "summary.json.", default_text="none")
+        "summary.json. With --arch dflash2 it must hold the target's last hidden state (extract --last-hidden), "
+        "and its drafts are the selector's greedy path, as `dflash eval` drafts.", default_text="none")
 @option("--val-rows", type=int, help="Rows of --val-cache per validation (0 = all).")
 @option("--val-max-new-tokens", type=int, help="The decoding tau stops each held-out answer after this many tokens, "
         "as `dflash eval --max-new-tokens` does (0 = whole answers).")
@@ -310,6 +320,7 @@ def train(preset, gpus, no_progress, **flags):
     if flags.get("draft_layer_types") is not None:
         flags["draft_layer_types"] = [k.strip() for k in flags["draft_layer_types"].split(",")]
     cfg = in_path_forms(build(TrainConfig, preset, "train", flags), {"cache": "read", "val_cache": "read"})  # fails once
+    refuse_dflash2_flags(cfg.arch, flags)
     check_paths(out=cfg.out, read={"target": cfg.target})
     if not cfg.follow:  # --follow: the cache may not exist yet
         check_cache_path(cfg.cache, "cache")
@@ -317,6 +328,16 @@ def train(preset, gpus, no_progress, **flags):
     check_target(cfg.target)
     relaunch_with_gpus(gpus, "train")
     run_train(cfg)
+
+
+def refuse_dflash2_flags(arch: str, flags: dict) -> None:
+    """A DFlash2 setting given as a flag to another arch is an error, even at its default (TrainConfig refuses a
+    preset's value only where it differs from the default)."""
+    from dflash.train.config import DFLASH2_ONLY, DFLASH2_SETTINGS
+
+    given = [name for name in DFLASH2_SETTINGS if flags.get(name) is not None]
+    if given and arch != "dflash2":
+        raise ConfigError(f"{flag(given[0])} {DFLASH2_ONLY}", given[0])
 
 
 @main.command()
@@ -332,6 +353,10 @@ def train(preset, gpus, no_progress, **flags):
 @click.option("--extract-args", default="", help='More `dflash extract` flags, as one string: "--seq-len 4096 '
               '--hidden-dtype fp8".')
 @click.option("--train-args", default="", help='More `dflash train` flags, as one string: "--epochs 2".')
+@click.option("--arch", type=click.Choice(["dflash", "dflash2"]),
+              help="The trainer's --arch. dflash2 (here, in --train-args or in the preset) makes the extraction record "
+                   "the target's last hidden state (extract --last-hidden), and refuses an existing --cache without it."
+                   "  [default: --train-args' or the preset's, else dflash]")
 @click.option("--status-every", type=float, default=60.0, show_default=True,
               help="Seconds between the lines that say how far both are.")
 @click.option("--json", "json_out", help="Also write both summaries and the wall clock to this JSON file.")

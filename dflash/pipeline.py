@@ -12,6 +12,10 @@ seconds and at the end the pipeline says how far each is and at what rate (extra
 second; training: rows per second and the share of time it waited for data), and the wall clock of the whole; --json
 writes both summaries and the wall clock.
 
+A DFlash2 trainer (--arch dflash2, given to the pipeline, in --train-args or by the preset) learns from the
+target's last hidden state: the extraction then records it (extract --last-hidden), and an existing --cache without it
+is refused in one line before either job starts.
+
 Rerunning the same command resumes both (extract skips committed shards, train resumes from its last checkpoint).
 When one of them fails the pipeline stops the other (SIGTERM; a kill of either resumes exactly) and exits with the
 failure's code. The jobs end with the pipeline: on Linux each is started with a parent-death signal (prctl
@@ -60,6 +64,7 @@ class PipelineConfig:
     train_args: str = ""
     status_every: float = 60.0
     json_out: str | None = None
+    arch: str | None = None  # train's --arch (None: --train-args', else the preset's, else dflash)
 
 
 def split_args(text: str, part: str) -> list[str]:
@@ -75,15 +80,63 @@ def split_args(text: str, part: str) -> list[str]:
     return args
 
 
+def flag_value(args: list[str], name: str) -> str | None:
+    """The value of `name` in an argument list (`--arch X` or `--arch=X`; the last one wins, as click reads it)."""
+    value = None
+    for i, a in enumerate(args):
+        if a == name and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(name + "="):
+            value = a.split("=", 1)[1]
+    return value
+
+
+def train_arch(cfg: PipelineConfig) -> str:
+    """The drafter the trainer will train: the pipeline's --arch, else --train-args' --arch, else the preset's."""
+    from dflash.core.config import read_preset
+
+    given = flag_value(split_args(cfg.train_args, "train"), "--arch")
+    if cfg.arch and given and given != cfg.arch:
+        raise ConfigError(f"--train-args: --arch {given} contradicts the pipeline's --arch {cfg.arch}: give one")
+    return str(cfg.arch or given or read_preset(cfg.preset, "train").get("arch") or "dflash")
+
+
+def extract_last_hidden(cfg: PipelineConfig) -> bool:
+    """Whether the extraction must record the target's last hidden state: --arch dflash2 trains on it."""
+    return train_arch(cfg) == "dflash2"
+
+
+def check_cache(cfg: PipelineConfig) -> None:
+    """An existing --cache that a dflash2 trainer cannot read (no last hidden state) is refused before any work: the
+    extraction the pipeline starts would find its settings changed, and the trainer could not train on it."""
+    if not extract_last_hidden(cfg) or "--overwrite" in split_args(cfg.extract_args, "extract"):
+        return
+    import dflash_cache
+
+    try:
+        cache = dflash_cache.open(cfg.cache, follow=True)
+    except dflash_cache.CacheError:
+        return  # none yet (or not one): the extraction makes it, with --last-hidden
+    if not cache.last_hidden:
+        raise ConfigError(f"--cache {cfg.cache} was extracted without the target's last hidden state, which --arch "
+                          "dflash2 trains on: give another --cache (the pipeline extracts it with --last-hidden), or "
+                          "--extract-args --overwrite to extract this one again")
+
+
 def commands(cfg: PipelineConfig, summary_json: str) -> dict[str, tuple[list[str], dict[str, str]]]:
-    """The two jobs: name -> (command, environment)."""
+    """The two jobs: name -> (command, environment). With --arch dflash2 (train_arch) the extraction records the
+    target's last hidden state (extract --last-hidden)."""
     from dflash.core.dist import check_gpu_ids, torchrun_command
 
     preset = ["--config", cfg.preset] if cfg.preset else []
+    extract_more = split_args(cfg.extract_args, "extract")
+    if extract_last_hidden(cfg) and "--last-hidden" not in extract_more:
+        extract_more.append("--last-hidden")
+    arch = ["--arch", cfg.arch] if cfg.arch else []
     argv = {
         "extract": ["extract", "--target", cfg.target, "--data", cfg.data, "--out", cfg.cache, *preset,
-                    "--json", summary_json, "--no-progress", *split_args(cfg.extract_args, "extract")],
-        "train": ["train", "--follow", "--target", cfg.target, "--cache", cfg.cache, "--out", cfg.out, *preset,
+                    "--json", summary_json, "--no-progress", *extract_more],
+        "train": ["train", "--follow", "--target", cfg.target, "--cache", cfg.cache, "--out", cfg.out, *preset, *arch,
                   "--no-progress", *split_args(cfg.train_args, "train")],
     }
     gpus = {"extract": cfg.extract_gpus, "train": cfg.train_gpus}
@@ -176,6 +229,7 @@ class Progress:
 
 def run_pipeline(cfg: PipelineConfig) -> int:
     """Run both jobs to the end; returns the exit code (0, or the first failure's)."""
+    check_cache(cfg)
     tmp = tempfile.mkdtemp(prefix="dflash-pipeline-")
     summary_json = os.path.join(tmp, "extract.json")
     jobs = commands(cfg, summary_json)

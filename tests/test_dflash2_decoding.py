@@ -5,7 +5,10 @@
     the selector's greedy pass: each slot's draft is its best-scored candidate given the draft before it, the scores
         recomputed here from the selector's tensors; with a selector of weight it drafts otherwise than the argmax;
     speculative decoding with a DFlash2 drafter, and with a windowed DFlash drafter, gives the tokens of a plain HF
-        greedy loop (tests/workload.py hf_greedy): lossless.
+        greedy loop (tests/workload.py hf_greedy): lossless;
+    the fixed-shape DFlash2 step (StaticDraft2, a CUDA graph on a GPU: tests/test_gpu.py) drafts every block of a
+        decoding exactly as the eager step, and its one check against the eager step names a draft the selector
+        would not choose.
 """
 
 from __future__ import annotations
@@ -113,3 +116,48 @@ def test_speculative_decoding_with_dflash2_or_windowed_drafters_is_lossless(tiny
         assert speculative(t, proposer(d, 128), p, 24, set()).tokens == ref
         if arch == "dflash":  # the fixed-shape step (StaticDraft) with its window too
             assert speculative(t, proposer(d, 128, graph=True), p, 24, set()).tokens == ref
+
+
+def recording(proposer):
+    """The proposer, and the list each of its drafts is appended to."""
+    drafts, propose = [], proposer.propose
+
+    def recorded(seq, last, pos):
+        out = propose(seq, last, pos)
+        drafts.append([int(t) for t in out])
+        return out
+
+    proposer.propose = recorded
+    return proposer, drafts
+
+
+def test_the_fixed_shape_dflash2_step_drafts_exactly_as_the_eager_one(tiny):
+    """graph=True: StaticDraft2's step (on a GPU one CUDA graph; here the same code run eagerly) after the check
+    against the eager step on the first whole verified block; every draft of a decoding equals the eager path's."""
+    m = tiny["model"]
+    t = Target(m, LAYERS)
+    d = drafter(tiny, "dflash2", window=4)
+    rng = random.Random(1)
+    for n in (2, 9, 30):
+        p = [rng.randrange(3, len(tiny["tok"])) for _ in range(n)]
+        eager, eager_drafts = recording(DFlash2Proposer(d, 128))
+        static, static_drafts = recording(DFlash2Proposer(d, 128, graph=True))
+        ref = speculative(t, eager, p, 32, set()).tokens
+        assert speculative(t, static, p, 32, set()).tokens == ref == hf_greedy(m, p, 32)
+        assert static.graph_status == "static" and eager.graph_status == "off"
+        assert static_drafts == eager_drafts and len(static_drafts) > 3
+
+
+def test_the_dflash2_step_check_names_a_draft_the_selector_would_not_choose(tiny):
+    from dflash.train.dflash2_drafting import selector_disagreement
+
+    d = drafter(tiny, "dflash2")
+    g = torch.Generator().manual_seed(4)
+    h, last = torch.randn(BLOCK - 1, 64, generator=g), torch.tensor([7])
+    with torch.no_grad():
+        best = greedy_selector_path(d, h, last)
+        assert selector_disagreement(d, best, h, last) is None
+        scores = d.selector_scores(h[1:2], best[:1], (h[1:2] @ d.lm_head_weight.t()).topk(4).indices)
+        worst = best.clone()
+        worst[1] = (h[1] @ d.lm_head_weight.t()).topk(4).indices[scores[0].argmin()]
+        assert "at slot 2" in selector_disagreement(d, worst, h, last)

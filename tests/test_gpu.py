@@ -176,3 +176,57 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
     st, ht = StaticTarget(m, [1, 3], max_len=80, block_size=4), Target(m, [1, 3])
     for p in prompts:
         assert greedy(st, p, 24, set()).tokens == greedy(ht, p, 24, set()).tokens
+
+
+def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):
+    """DFlash2Proposer(graph=True): StaticDraft2's step, the selector's greedy pass included, captured once as one
+    CUDA graph and replayed (graph_status "graph"); every draft of a decoding is the eager step's, in float32, and
+    decoding stays lossless."""
+    import random
+
+    from dflash.core.target import load_causal_lm
+    from dflash.train.decode import greedy, speculative
+    from dflash.train.dflash2 import DFlash2Drafter
+    from dflash.train.dflash2_drafting import DFlash2Proposer
+    from dflash.train.model import DrafterConfig
+    from dflash.train.verify import Target
+
+    _, target, _ = assets
+    dev = torch.device("cuda:0")
+    m = load_causal_lm(target, device=dev, dtype=torch.float32).eval()
+    V = m.config.vocab_size
+    cfg = DrafterConfig.from_target(m.config, num_layers=2, layer_ids=[1, 3], block_size=4, mask_token_id=V - 1,
+                                    sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                    arch="dflash2", selector_rank=8, selector_top_k=4)
+    d = DFlash2Drafter(cfg)
+    d.reset_parameters(seed=0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # convolutions and selector away from their identity / small start: they count
+        for name, p in d.named_parameters():
+            if "conv" in name or "candidate_selector" in name:
+                p.copy_(p + 0.5 * torch.randn(p.shape, generator=g))
+    d = d.to(dev).eval()
+    d.set_target_head(m.get_input_embeddings().weight, m.get_output_embeddings().weight)
+
+    def recording(proposer):
+        drafts, propose = [], proposer.propose
+
+        def recorded(seq, last, pos):
+            out = propose(seq, last, pos)
+            drafts.append(out.tolist())
+            return out
+
+        proposer.propose = recorded
+        return proposer, drafts
+
+    t = Target(m, [1, 3])
+    rng = random.Random(0)
+    for n in (3, 17):
+        p = [rng.randrange(3, V - 1) for _ in range(n)]
+        eager, eager_drafts = recording(DFlash2Proposer(d, 128))
+        graph, graph_drafts = recording(DFlash2Proposer(d, 128, graph=True))
+        ref = greedy(t, p, 32, set()).tokens
+        assert speculative(t, eager, p, 32, set()).tokens == ref
+        assert speculative(t, graph, p, 32, set()).tokens == ref
+        assert graph.graph_status == "graph" and graph.static.graph is not None
+        assert graph_drafts == eager_drafts and len(graph_drafts) > 3

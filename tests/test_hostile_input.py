@@ -132,7 +132,9 @@ NUMBERS: dict[str, dict[str, tuple]] = {
               "--grad-clip": (0.0, INF, "open"), "--mask-token-id": (0, INF), "--seed": (0, 2**28 - 1),
               "--shuffle-window": (0, INF), "--follow-timeout": (0.0, INF, "open"), "--val-rows": (0, INF),
               "--val-max-new-tokens": (0, INF), "--log-every": (1, INF), "--save-every": (1, INF),
-              "--keep-checkpoints": (1, INF), "--loader-threads": (1, INF)},
+              "--keep-checkpoints": (1, INF), "--loader-threads": (1, INF), "--conv-kernel-size": (1, INF),
+              "--conv-group-size": (1, INF), "--selector-rank": (1, INF), "--selector-top-k": (1, INF),
+              "--selector-loss-alpha": (0.0, INF)},
     "eval": {"--max-prompts": (1, INF), "--skip-prompts": (0, INF), "--max-new-tokens": (1, INF),
              "--ngram-max": (1, INF), "--threads": (0, INF)},
     "regenerate": {"--max-samples": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF),
@@ -200,6 +202,8 @@ def numeric_argv(cmd: str, flag: str, value: str, w: dict, tmp: Path) -> list:
     over = {flag[2:]: value}
     if cmd == "train" and flag == "--epochs":
         over["max-steps"] = None
+    if cmd == "train" and flag.startswith(("--conv-", "--selector-")):  # dflash2's: its range, not the arch, refused
+        over["arch"] = "dflash2"
     return command(cmd, w, tmp, **over)
 
 

@@ -102,6 +102,9 @@ class TrainConfig:
                   f"entries must be {' or '.join(LAYER_TYPES)}, got {kinds!r}")
             check("sliding_attention" not in kinds or self.draft_window is not None, "draft_layer_types",
                   "has sliding_attention layers: give --draft-window")
+        for name in DFLASH2_SETTINGS:  # a preset's (or the API's) value that a DFlash drafter would not use
+            check(self.arch == "dflash2" or getattr(self, name) == type(self).__dataclass_fields__[name].default, name,
+                  DFLASH2_ONLY)
         check(self.conv_kernel_size >= 1, "conv_kernel_size", f"must be >= 1, got {self.conv_kernel_size}")
         check(self.conv_kernel_size <= self.block_size, "conv_kernel_size",
               f"must be <= --block-size {self.block_size}, got {self.conv_kernel_size}")
@@ -148,12 +151,16 @@ class TrainConfig:
               f"must be >= 0 (rows; 0 = one permutation of the whole cache), got {self.shuffle_window}")
         check(finite(self.follow_timeout) and self.follow_timeout > 0, "follow_timeout",
               f"must be a finite number > 0 (seconds), got {self.follow_timeout}")
-        check(not (self.arch == "dflash2" and self.val_cache), "val_cache",
-              "is not available with --arch dflash2 yet (its held-out decoding needs the selector's drafting)")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
 
 
 ARCHS = ("dflash", "dflash2")
+# DFlash2's own settings (`dflash train --conv-kernel-size` ...; the same keys in a preset's train section): refused
+# with --arch dflash (a preset's or the API's value only where it is not the default)
+DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
+# the refusal of one given to another arch (after its flag's name)
+DFLASH2_ONLY = ("is a setting of --arch dflash2 (the DFlash drafter has no block convolution or candidate selector): "
+                "give --arch dflash2, or leave it out")
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 

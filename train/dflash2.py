@@ -177,21 +177,40 @@ class DFlash2Drafter(DFlashDrafter):
         h, blocks = self.forward_slots(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, hidden_scales)
         return self.slot_loss(h, blocks, self.target_hidden(hidden, hidden_scales), gamma, self.selector_loss_alpha)
 
+    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0, hidden_scales=None):
+        """Held-out validation's forward (train/validate.py) over prepared blocks: the training objective (teacher
+        forced), with the metrics (slot accuracy, accepted drafts, tau) of the selector's greedy path as drafting
+        follows it (slot_loss's `greedy`)."""
+        h = self.slot_outputs(hidden, blocks, masks, hidden_scales)
+        return self.slot_loss(h, blocks, self.target_hidden(hidden, hidden_scales), gamma, self.selector_loss_alpha,
+                              greedy=True)
+
     def slot_loss(self, h: torch.Tensor, blocks: Blocks, target_hidden: torch.Tensor, gamma: float,
-                  selector_loss_alpha: float = 1.0, chunk_fn=None):
-        """The objective from the slot outputs h [R, N, B-1, H] and the target's last hidden states [R, T, H]."""
+                  selector_loss_alpha: float = 1.0, chunk_fn=None, greedy: bool = False):
+        """The objective from the slot outputs h [R, N, B-1, H] and the target's last hidden states [R, T, H].
+
+        The metrics score, per slot, the selector's choice among the unary top-k against the target's argmax. By
+        default with the true previous token as predecessor (teacher forcing, as the loss). greedy=True: with the
+        anchor before slot 1 and the target's argmax of the slot before after it, which is the draft before it
+        wherever the drafts so far were accepted; so each block's accepted prefix is exactly that of drafting it
+        with greedy_selector_path (train/dflash2_drafting.py) and verifying against the target's argmax."""
         R, N, Bm1, H = h.shape
         n = R * N * Bm1
         valid = blocks.label_valid[..., 1:]
         w = slot_weights(Bm1 + 1, gamma, h.device)[1:] * valid.float()  # [R, N, B-1]
-        kl, scores, cands, target_pos, hit, target_id, pred = self.slot_terms(h, blocks, target_hidden, w, chunk_fn)
+        kl, unary, cands, target_pos, hit, target_id, pred = self.unary_terms(h, blocks, target_hidden, w, chunk_fn)
+        scores = unary + self.candidate_selector.transition(h.reshape(n, H), self.predecessor_ids(blocks),
+                                                            cands).to(unary.dtype)
         sel_ce = F.cross_entropy(scores.float(), target_pos, reduction="none")
         count = valid.float().sum() + LOSS_EPS
         unary_loss = kl / count
         selector_loss = (sel_ce * w.reshape(n)).sum() / count
         loss = unary_loss + selector_loss_alpha * selector_loss
-        with torch.no_grad():  # metrics against the target's argmax: the selector's teacher-forced choice, when the
-            chosen = cands.gather(1, scores.argmax(-1, keepdim=True))[:, 0]  # served top-k holds the argmax
+        with torch.no_grad():  # metrics against the target's argmax: the selector's choice, when the served top-k
+            if greedy:  # holds the argmax
+                prev = torch.cat([blocks.labels[..., :1], target_id.view(R, N, Bm1)[..., :-1]], -1).reshape(n)
+                scores = unary + self.candidate_selector.transition(h.reshape(n, H), prev, cands).to(unary.dtype)
+            chosen = cands.gather(1, scores.argmax(-1, keepdim=True))[:, 0]
             chosen = torch.where(hit, chosen, torch.full_like(chosen, -1))
             labels = torch.cat([blocks.labels[..., :1], target_id.view(R, N, Bm1)], -1)
             met = block_metrics(chosen.view(R, N, Bm1), dataclasses.replace(blocks, labels=labels), loss, count)
@@ -202,19 +221,24 @@ class DFlash2Drafter(DFlashDrafter):
 
     def slot_terms(self, h: torch.Tensor, blocks: Blocks, target_hidden: torch.Tensor, w: torch.Tensor, chunk_fn=None):
         """Per slot (flattened, n = R*N*(B-1)): the weighted unary KL sum, the reranked scores of the training
-        candidates [n, k], the candidates, the target argmax's place among them, whether the unary top-k held it, the
-        target's argmax and the unary argmax. w [R, N, B-1]: the slots' weights."""
+        candidates [n, k] (teacher forced), the candidates, the target argmax's place among them, whether the unary
+        top-k held it, the target's argmax and the unary argmax. w [R, N, B-1]: the slots' weights."""
+        kl, unary, cands, target_pos, hit, target_id, pred = self.unary_terms(h, blocks, target_hidden, w, chunk_fn)
+        transition = self.candidate_selector.transition(h.reshape(-1, h.shape[-1]), self.predecessor_ids(blocks), cands)
+        return kl, unary + transition.to(unary.dtype), cands, target_pos, hit, target_id, pred
+
+    def unary_terms(self, h: torch.Tensor, blocks: Blocks, target_hidden: torch.Tensor, w: torch.Tensor,
+                    chunk_fn=None):
+        """slot_terms without the selector: the unary logits at the candidates [n, k] in place of the scores."""
         R, N, Bm1, H = h.shape
         T = target_hidden.shape[1]
         n = R * N * Bm1
         # slot k's label distribution: the target's logits at a+k-1, k = 1..B-1 (the anchor's own for slot 1)
         at = (blocks.anchors[..., None] + torch.arange(Bm1, device=h.device)).clamp(max=T - 1).view(R, -1)
         t_states = target_hidden.gather(1, at[..., None].expand(-1, -1, H))  # [R, N*(B-1), H]
-        kl, unary, cands, target_pos, hit, target_id, pred = _LinearKL.apply(
+        return _LinearKL.apply(
             h.reshape(n, H), t_states.reshape(n, H), self.lm_head_weight, w.reshape(n), self.cfg.selector_top_k,
             even_chunk(n, ce_chunk(self.lm_head_weight.shape[0], KL_CHUNK_BYTES)), chunk_fn or kl_chunk)
-        transition = self.candidate_selector.transition(h.reshape(n, H), self.predecessor_ids(blocks), cands)
-        return kl, unary + transition.to(unary.dtype), cands, target_pos, hit, target_id, pred
 
     @staticmethod
     def predecessor_ids(blocks: Blocks) -> torch.Tensor:

@@ -10,6 +10,7 @@ token in ONE forward, from the target's captured hidden states of the confirmed 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .model import DFlashDrafter, DrafterError, rope_cos_sin, window_mask
 
@@ -66,7 +67,12 @@ class StaticDraft:
                 kpos = torch.cat([c.pos, positions], 1)
                 m = mask & window_mask(positions, kpos, layer.self_attn.window)
             x = layer(x, cos, sin, c.k[i], c.v[i], m)
-        return d.logits(x[:, 1:]).argmax(-1)[0]
+        return self.select(d.norm(x[:, 1:]))
+
+    def select(self, h: torch.Tensor) -> torch.Tensor:
+        """The draft [B-1] from the slots' normalised outputs h [1, B-1, H]: the LM head's argmax (a DFlash2
+        drafter's step reranks with its selector instead, train/dflash2_drafting.py)."""
+        return F.linear(h, self.d.lm_head_weight).argmax(-1)[0]
 
     def _capture(self) -> None:
         side = torch.cuda.Stream()
@@ -132,6 +138,7 @@ class DFlashProposer:
 
     name = "dflash"
     needs_hidden = True
+    static_class = StaticDraft  # the fixed-shape step (DFlash2Proposer's reranks with the selector)
 
     def __init__(self, drafter: DFlashDrafter, max_len: int, graph: bool = False):
         self.d = drafter
@@ -185,6 +192,12 @@ class DFlashProposer:
     def _eager(self, last, pos: int) -> torch.Tensor:
         return self._eager_logits(last, pos).argmax(-1)
 
+    def _checked_eager(self, last, pos: int, got: torch.Tensor | None) -> tuple[torch.Tensor, str | None]:
+        """The eager draft, and how the static step's draft `got` differs from it beyond near ties (None: it does
+        not, or there is none)."""
+        logits = self._eager_logits(last, pos)
+        return logits.argmax(-1), (draft_disagreement(got, logits) if got is not None else None)
+
     def _static(self, last, pos: int) -> torch.Tensor:
         hidden = start = None
         if self.pending is not None:
@@ -205,16 +218,15 @@ class DFlashProposer:
         if pending is None or pending[0].shape[1] != self.block_size:
             return self._eager(last, pos)
         try:
-            self.static = StaticDraft(self.d, self.cache, capture=True)
+            self.static = self.static_class(self.d, self.cache, capture=True)
             got = self._static(last, pos)
         except Exception as e:  # noqa: BLE001 - a failed capture leaves the eager forward, and says why
             got, why = None, f"{type(e).__name__}: {e}"
         self.pending = pending  # the eager path rewrites the same cache positions
         self.cache.length = pending[1]
-        logits = self._eager_logits(last, pos)
-        want = logits.argmax(-1)
+        want, disagreement = self._checked_eager(last, pos, got)
         if got is not None:
-            why = draft_disagreement(got, logits)
+            why = disagreement
         if why:
             print(f"eval: the drafter's static step is not used ({why}); drafting eagerly", flush=True)
         self.graph_status = "eager" if why else ("graph" if self.static.capture else "static")

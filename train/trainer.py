@@ -117,7 +117,8 @@ class Trainer:
             from .validate import Validator
 
             self.validator = Validator(cfg.val_cache, cache, expect, cfg.val_rows, cfg.batch_rows, cfg.num_anchors,
-                                       cfg.gamma, dev, cfg.loader_threads, cfg.val_max_new_tokens)
+                                       cfg.gamma, dev, cfg.loader_threads, cfg.val_max_new_tokens,
+                                       last_hidden=cfg.arch == "dflash2")
         if cfg.arch == "dflash2" and not cache.last_hidden:
             raise TrainError(f"--arch dflash2 learns the target's distribution from its last hidden state, which "
                              f"--cache {cfg.cache} does not hold: extract it with `dflash extract ... --last-hidden`")

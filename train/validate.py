@@ -15,6 +15,10 @@ drafting them one by one), and reports:
     many short steps on hard ones, so it overstates tau wherever a text mixes the two (the GPU recipe's drafter:
     8.51 here against eval's 3.53; BENCHMARKS.md, "Decoding and quality");
   * the weighted block loss and the per-slot accuracy, as the training step computes them.
+A DFlash2 drafter (train/dflash2.py) is scored against the target's argmax, read from the last hidden state the
+held-out cache must then hold (`dflash extract --last-hidden`, as the training cache): its loss is the training
+objective (teacher forced), its drafts those of the selector's greedy path (DFlash2Drafter.forward_blocks), so a
+block's accepted prefix is what `dflash eval` drafting it with greedy_selector_path and verifying it accepts.
 
 It runs at every checkpoint and at the end (rank 0; the other ranks wait), eager and without gradients, with as
 many blocks per forward as a training step has. On a GPU the drafter's flex attention is swapped for the exact
@@ -38,7 +42,7 @@ from .config import TrainError
 class Validator:
     def __init__(self, path: str, train_cache, expect: dict, rows: int, batch_rows: int, num_anchors: int,
                  gamma: float, device: torch.device, threads: int = 4, max_new_tokens: int = 0,
-                 keep_accepted: bool = False):
+                 keep_accepted: bool = False, last_hidden: bool = False):
         try:
             self.cache = dflash_cache.open(path, expect=expect, threads=threads)
         except dflash_cache.CacheMismatchError as e:
@@ -46,9 +50,13 @@ class Validator:
         except dflash_cache.CacheError as e:
             raise TrainError(f"--val-cache {path}: {e}") from e
         c = self.cache
-        if list(c.layer_ids) != list(train_cache.layer_ids):
-            raise TrainError(f"--val-cache {path}: layers {list(c.layer_ids)}, but --cache has "
-                             f"{list(train_cache.layer_ids)}: extract both with the same --num-context-layers/--layers")
+        if last_hidden and not c.last_hidden:
+            raise TrainError(f"--val-cache {path}: does not hold the target's last hidden state, which --arch dflash2 "
+                             "validates against: extract it with `dflash extract ... --last-hidden`")
+        if list(c.context_layer_ids) != list(train_cache.context_layer_ids):
+            raise TrainError(f"--val-cache {path}: layers {list(c.context_layer_ids)}, but --cache has "
+                             f"{list(train_cache.context_layer_ids)}: extract both with the same "
+                             "--num-context-layers/--layers")
         if len(c) == 0:
             raise TrainError(f"--val-cache {path}: has no rows")
         self.path = path
