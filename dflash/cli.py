@@ -236,7 +236,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
         help="dflash, or dflash2: grouped causal convolutions inside the block and a candidate selector reranking "
              "each slot's top-k, trained on the target's distribution (needs a cache from `dflash extract "
              "--last-hidden`; --val-cache too). Its draft step in `dflash eval` is one CUDA graph on a GPU, the "
-             "selector's greedy pass included, as dflash's. Not yet benchmarked on a GPU.")
+             "selector's greedy pass included, as dflash's. Its training step costs ~1.3x dflash's at the 8B shape "
+             "(BENCHMARKS.md).")
 @option("--conv-kernel-size", type=int, help="dflash2: taps of each layer's grouped causal convolution over the "
         "block's slots (at most --block-size).")
 @option("--conv-group-size", type=int, help="dflash2: channels per group of the convolution's token-conditioned "
