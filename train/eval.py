@@ -21,6 +21,8 @@ The JSON report (--json; schema SCHEMA, the same keys on every run):
   schema, config, device, dtype, prompts, block_size, drafter_layers, draft_graph, target_attention,
   target_graph             true when the target's steps ran as CUDA graphs over a static KV cache (StaticTarget):
                            the speed-ups are then those of both models graph-captured, as serving engines run them
+  target_fused             true when, in those graphs, each target layer ran as two compiled functions (the
+                           pointwise work fused: dflash/core/static_decode.py fused_layers)
   harness                  the settings that make one harness's tau comparable with another's (serving engines'
                            benchmarks differ on them): decoding ("greedy"), temperature (0.0), block_size,
                            max_new_tokens, stop_at_eos, chat_template_kwargs (as rendered; {} = the template's own
@@ -377,6 +379,7 @@ def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "config": asdict(cfg), "device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": len(prompts),
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
         "target_attention": target.attention, "target_graph": isinstance(target, StaticTarget),
+        "target_fused": isinstance(target, StaticTarget) and target.dec.fused,
         "harness": harness_settings(cfg, B),
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
@@ -422,6 +425,7 @@ def format_report(r: dict[str, Any]) -> str:
     graphs = [name for name, on in (("target", r.get("target_graph")), ("drafter", r.get("draft_graph") == "graph"))
               if on]
     lines.append("speed-ups with " + (" and ".join(graphs) + " in CUDA graphs" if graphs else "both models eager")
+                 + (" (the target's layers fused)" if r.get("target_fused") else "")
                  + ("" if len(graphs) == 2 else " (serving engines run both in CUDA graphs)"))
     h = r.get("harness")
     if h:
