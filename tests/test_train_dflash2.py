@@ -9,7 +9,9 @@ What is covered:
         candidate_selector tensors) and loads back as a DFlash2Drafter
     SIGKILL after a checkpoint + rerun: the same losses and weights, bit for bit, as an uninterrupted run
     a windowed DFlash run: final/ names each layer's kind, the window and the bidirectional block for the engines
-    a dflash2 run on a cache without the last hidden state, and --val-cache with dflash2: one error line
+    a dflash2 run with --val-cache: held-out loss and decoding tau at every checkpoint, those of the DFlash2
+        objective (the selector's choice against the target's argmax), equal to a Validator call on final/
+    a dflash2 run on a cache without the last hidden state (or a --val-cache without it): one error line
 """
 
 from __future__ import annotations
@@ -136,7 +138,38 @@ def test_a_windowed_run_records_its_layers_and_window_for_the_engines(env2, tmp_
 def test_dflash2_without_the_last_hidden_state_is_one_error_line(env2, tmp_path):
     code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, cache="plain"))
     assert_clean_error(code, err, "--arch dflash2", "--last-hidden", str(env2["plain"]))
-    code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, "--val-cache", env2["last"]))
-    assert_clean_error(code, err, "--val-cache", "dflash2")
+    code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, "--val-cache", env2["plain"]))
+    assert_clean_error(code, err, "--val-cache", str(env2["plain"]))  # its layers lack the last one
     code, _, err = cli(*base2(env2, tmp_path / "run", "--max-steps", 2, "--draft-layer-types", "sliding_attention"))
     assert_clean_error(code, err, "--draft-layer-types", "--draft-window")
+
+
+def test_dflash2_validates_on_a_held_out_cache_at_every_checkpoint(env2, tmp_path):
+    from dflash.train.validate import Validator
+
+    run = tmp_path / "run"
+    ok(*base2(env2, run, "--max-steps", 4, "--save-every", 2, "--log-every", 2, "--val-cache", env2["last"],
+              "--val-rows", 4))
+    recs = [r for r in metrics(run) if "val_loss" in r]
+    assert [r["step"] for r in recs] == [2, 4]
+    for r in recs:
+        assert 1.0 <= r["val_tau_decode"] <= 4.0 and 1.0 <= r["val_tau_expected"] <= 4.0 and r["val_loss"] > 0
+    from dflash.train.target_head import load_target_head
+
+    drafter = load_drafter(str(run / "final"), attn_impl="split", dtype=torch.float32)  # the trainer's on CPU
+    drafter.set_target_head(*load_target_head(str(env2["target"])))
+    assert isinstance(drafter, DFlash2Drafter)
+    cache = dflash_cache.open(str(env2["last"]))
+    val = Validator(str(env2["last"]), cache, {}, 4, 2, 16, 7.0, torch.device("cpu"))(drafter)
+    assert val["val_tau_decode"] == pytest.approx(recs[-1]["val_tau_decode"], abs=1e-6)
+    assert val["val_loss"] == pytest.approx(recs[-1]["val_loss"], rel=1e-4)
+    # the DFlash2 objective (KL to the target's distribution + the selector's loss), not the unary cross-entropy
+    x = {k: v for k, v in cache.read_rows([0, 1], raw=True).items()}
+    from dflash.train.blocks import anchor_positions
+
+    valid = anchor_positions(x["loss_mask"], x["doc_ids"])
+    blocks, masks = drafter.prepare(x["input_ids"], x["loss_mask"], x["doc_ids"], valid.float(), int(valid.sum(1).max()))
+    with torch.no_grad():
+        loss2, met2 = drafter.forward_blocks(x["hidden"], blocks, masks)
+        loss1, _ = super(DFlash2Drafter, drafter).forward_blocks(x["hidden"], blocks, masks)
+    assert "selector_loss" in met2 and float(loss2) != pytest.approx(float(loss1), rel=1e-3)

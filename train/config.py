@@ -148,8 +148,6 @@ class TrainConfig:
               f"must be >= 0 (rows; 0 = one permutation of the whole cache), got {self.shuffle_window}")
         check(finite(self.follow_timeout) and self.follow_timeout > 0, "follow_timeout",
               f"must be a finite number > 0 (seconds), got {self.follow_timeout}")
-        check(not (self.arch == "dflash2" and self.val_cache), "val_cache",
-              "is not available with --arch dflash2 yet (its held-out decoding needs the selector's drafting)")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
 
 

@@ -177,6 +177,13 @@ class DFlash2Drafter(DFlashDrafter):
         h, blocks = self.forward_slots(hidden, input_ids, loss_mask, doc_ids, anchor_scores, num_anchors, hidden_scales)
         return self.slot_loss(h, blocks, self.target_hidden(hidden, hidden_scales), gamma, self.selector_loss_alpha)
 
+    def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0, hidden_scales=None):
+        """Loss and metrics over prepared blocks (`train --val-cache`, train/validate.py): the objective of
+        forward_train. Its `accepted` is the selector's teacher-forced prefix against the target's argmax, which is
+        what drafting accepts: within an accepted prefix the drafted predecessors are the target's own tokens."""
+        h = self.slot_outputs(hidden, blocks, masks, hidden_scales)
+        return self.slot_loss(h, blocks, self.target_hidden(hidden, hidden_scales), gamma, self.selector_loss_alpha)
+
     def slot_loss(self, h: torch.Tensor, blocks: Blocks, target_hidden: torch.Tensor, gamma: float,
                   selector_loss_alpha: float = 1.0, chunk_fn=None):
         """The objective from the slot outputs h [R, N, B-1, H] and the target's last hidden states [R, T, H]."""

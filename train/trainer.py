@@ -121,6 +121,9 @@ class Trainer:
         if cfg.arch == "dflash2" and not cache.last_hidden:
             raise TrainError(f"--arch dflash2 learns the target's distribution from its last hidden state, which "
                              f"--cache {cfg.cache} does not hold: extract it with `dflash extract ... --last-hidden`")
+        if cfg.arch == "dflash2" and self.validator is not None and not self.validator.cache.last_hidden:
+            raise TrainError(f"--val-cache {cfg.val_cache} does not hold the target's last hidden state, which --arch "
+                             "dflash2 validates against: extract it with `dflash extract ... --last-hidden`")
         tok = load_tokenizer(cfg.target)
         mask_id = resolve_mask_token_id(tok, tc.vocab_size, cfg.mask_token_id)
         dflash2 = dict(conv_kernel_size=cfg.conv_kernel_size, conv_group_size=cfg.conv_group_size,
