@@ -146,6 +146,12 @@ def test_a_run_killed_after_dflash_resumes_with_the_dflash2_stages(compared, tmp
     assert "] train dflash2  (~" in out and "] eval float32 dflash2  (~" in out and "] eval float32  (~" not in out
     assert set(again["timings_s"]) >= {"train dflash2", "eval bfloat16 dflash2", "eval float32 dflash2"}
     assert "eval bfloat16" not in again["timings_s"]
+    # the same workdir without --compare: its caches hold the last hidden state, one error before any stage
+    from dflash.core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--workdir .*cache/ was extracted with the target's last hidden state"):
+        run_gpu_demo(str(work), preset=str(compared["preset"]), device="cpu", progress=False,
+                     target=str(compared["target"]))
     assert again["compare"]["eval"]["bfloat16"]["dflash"] == compared["summary"]["compare"]["eval"]["bfloat16"]["dflash"]
     assert again["compare"]["train"]["dflash2"]["steps"] == 4 and again["compare"]["lossless_float32"]["dflash2"]
 

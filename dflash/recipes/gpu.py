@@ -53,7 +53,7 @@ import os
 import time
 from typing import Any
 
-from dflash.core.config import check, read_preset
+from dflash.core.config import ConfigError, check, read_preset
 from dflash.core.io import atomic_json
 from dflash.recipes.compare import (DFLASH2_EVAL_FACTOR, DFLASH2_TRAIN_FACTOR, LAST_HIDDEN_EXTRACT_FACTOR,
                                     compare_run, compare_summary)
@@ -102,6 +102,22 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, co
     return StagePlan(secs)
 
 
+def check_caches(workdir: str, last_hidden: bool) -> None:
+    """A workdir whose caches were extracted for the other mode (a comparison's hold the target's last hidden state, the
+    recipe's do not) is one error line before any stage, rather than the extraction's mismatch."""
+    for name in ("cache", "cache-valid"):
+        path = os.path.join(workdir, name)
+        root = read_dict(os.path.join(path, "zarr.json"))
+        if root is None:
+            continue
+        has = bool((root.get("attributes") or {}).get("last_hidden", False))
+        if has != last_hidden:
+            raise ConfigError(f"--workdir {workdir}: its {name}/ was extracted {'with' if has else 'without'} the "
+                              f"target's last hidden state, for a demo {'with' if has else 'without'} --compare: give "
+                              "another --workdir (a comparison's default is work/demo-gpu-dflash2, the recipe's "
+                              f"work/demo-gpu) or delete {path}")
+
+
 def gpu_request(preset: str, device: str, target: str | None, train_overrides: dict | None,
                 eval_prompts: int | None, compare: str = "") -> dict[str, Any]:
     """What makes a GPU demo's result (the preset by name and content, and the arguments that change it): a rerun
@@ -148,6 +164,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
             print()
         print(format_gpu_summary(summary))
         return summary
+    check_caches(workdir, bool(arch))
     plan = gpu_stage_plan(preset, train_overrides, arch)
     what = f"the GPU recipe ({preset})" + (f", a {arch} drafter compared with the DFlash one," if arch else "")
     print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one H200 ("
