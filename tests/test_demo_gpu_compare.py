@@ -85,9 +85,10 @@ def test_both_drafters_train_from_one_cache_and_the_summary_is_their_reports(com
             assert side["identical"] == f"{ev['dflash']['outputs_identical']}/{ev['prompts']}"
             assert side["target_graph"] is False and "both models eager" in side["graphs"]
             if dtype == "bfloat16":  # n-gram lookup and MT-Bench in the first dtype's eval
-                assert side["tau_over_ngram_in_source"] == ins["dflash"]["tau"] / ins["ngram"]["tau"]
+                assert side["tau_over_ngram_in_source"] == ins["tau_over_ngram"] == ins["dflash"]["tau"] / ins["ngram"]["tau"]
                 assert side["tau_out_of_source"] == oos["dflash"]["tau"] and oos["prompts"] == 2
-                assert side["tau_over_ngram_out_of_source"] == oos["dflash"]["tau"] / oos["ngram"]["tau"]
+                assert side["tau_over_ngram_out_of_source"] == oos["tau_over_ngram"] == pytest.approx(
+                    oos["dflash"]["tau"] / oos["ngram"]["tau"])
                 assert side["speedup_out_of_source"] == oos["dflash"]["speedup"]
         # the same prompts for both: the same sets and categories, the target's same outputs
         assert {k: g["prompts"] for k, g in reports["dflash"]["sets"].items()} == {
@@ -176,3 +177,19 @@ def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
     assert both.seconds["extract"] == pytest.approx(plain.seconds["extract"] * 1.2)
     # the shipped comparison fits ~25 minutes on one H200 by the estimates
     assert sum(both.seconds.values()) < 25 * 60
+
+
+def test_the_verdict_says_how_much_slower_and_which_models_ran_as_graphs(compared):
+    """As on a GPU: the target and DFlash's drafter in CUDA graphs, DFlash2's drafter eager, its step 1.6x."""
+    import copy
+
+    from dflash.recipes.compare import format_compare
+
+    c = copy.deepcopy(compared["summary"]["compare"])
+    c.update(train_time_ratio=1.62, equal_training_time=False, step_time_ratio=1.6)
+    for n, graph in (("dflash", "graph"), ("dflash2", "eager")):
+        c["eval"]["bfloat16"][n].update(target_graph=True, draft_graph=graph)
+    out = format_compare(c)
+    row = next(ln for ln in out.splitlines() if ln.startswith("CUDA graphs"))
+    assert row.split()[-4:] == ["target", "+", "drafter", "target"]  # dflash: both; dflash2: the target only
+    assert "dflash2's training time 1.62x dflash's: not equal (within 10%); its step 60% slower" in out

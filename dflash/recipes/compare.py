@@ -80,14 +80,13 @@ def eval_side(ev: dict[str, Any]) -> dict[str, Any]:
     """One drafter's figures of one eval report: in source (all prompts when the report has no sets) and out of
     source (MT-Bench), each tau, tau over n-gram lookup's and speed-up; identical outputs; the CUDA-graph note."""
     sets = ev.get("sets") or {}
+    everything = {"dflash": ev["dflash"], "tau_over_ngram": ev.get("tau_gain_over_ngram")}
     out = {}
-    for key, g in (("in_source", sets.get("in-source") or {"dflash": ev["dflash"], "ngram": ev.get("ngram")}),
-                   ("out_of_source", sets.get("out-of-source"))):
+    for key, g in (("in_source", sets.get("in-source") or everything), ("out_of_source", sets.get("out-of-source"))):
         if g is None:
             continue
-        n = g.get("ngram")
         out[f"tau_{key}"] = g["dflash"]["tau"]
-        out[f"tau_over_ngram_{key}"] = g["dflash"]["tau"] / n["tau"] if n and n["tau"] else None
+        out[f"tau_over_ngram_{key}"] = g.get("tau_over_ngram")  # None without n-gram lookup (a later dtype's eval)
         out[f"speedup_{key}"] = g["dflash"]["speedup"]
     return out | {"identical": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
                   "target_graph": ev.get("target_graph"), "draft_graph": ev.get("draft_graph"),
@@ -157,7 +156,8 @@ def format_compare(c: dict[str, Any]) -> str:
             (f"identical outputs ({dt})", *[ev[n]["identical"] for n in names])]
     if "float32" in c["eval"] and dt != "float32":
         rows.append(("identical outputs (float32)", *[c["eval"]["float32"][n]["identical"] for n in names]))
-    rows.append(("CUDA graphs", *["target" * bool(ev[n]["target_graph"]) + " + drafter" * (ev[n]["draft_graph"] == "graph")
+    rows.append(("CUDA graphs", *[" + ".join(m for m, on in (("target", ev[n]["target_graph"]),
+                                                              ("drafter", ev[n]["draft_graph"] == "graph")) if on)
                                    or "none" for n in names]))
     w = [max(len(r[i]) for r in rows) for i in range(3)]
     lines = ["  ".join(x.ljust(w[i]) if i == 0 else x.rjust(w[i]) for i, x in enumerate(r)) for r in rows]
