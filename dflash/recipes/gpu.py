@@ -151,8 +151,8 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     train_overrides = dict(train_overrides or {})
     if arch and recipe.compare_max_steps and "max_steps" not in train_overrides:
         train_overrides["max_steps"] = recipe.compare_max_steps
-    stored = stored_result(summary_path, request, "request",
-                           [os.path.join(r, f"eval-{dtype}.json") for r in runs.values() for dtype in recipe.eval_dtypes])
+    reports = [os.path.join(r, f"eval-{dtype}.json") for r in runs.values() for dtype in recipe.eval_dtypes]
+    stored = stored_result(summary_path, request, "request", reports)
     if stored is not None:
         summary, reports = stored
         show_stored("demo", summary_path, summary, workdir,
