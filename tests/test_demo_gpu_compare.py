@@ -120,6 +120,8 @@ def test_the_printed_table_and_the_stored_rerun(compared, capsys):
     out = capsys.readouterr().out
     assert stored == json.loads(json.dumps(s, default=str))
     assert "demo: already done" in out and "run-dflash2/eval-*.json" in out
+    heads = [ln for ln in out.splitlines() if ln.endswith(".json:")]  # each drafter's reports, named
+    assert heads == [f"{work / r}/eval-{dt}.json:" for r in ("run", "run-dflash2") for dt in ("bfloat16", "float32")]
     assert {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in work.rglob("*") if f.is_file()} == files
     bf = s["compare"]["eval"]["bfloat16"]
     row = next(ln for ln in out.splitlines() if ln.startswith("tau on MT-Bench (bfloat16)"))

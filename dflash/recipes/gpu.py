@@ -131,6 +131,17 @@ def gpu_request(preset: str, device: str, target: str | None, train_overrides: d
             **({"compare": compare} if compare else {})}
 
 
+def show_reports(reports: dict[str, dict], named: bool) -> None:
+    """Print the eval reports ({path: report}), each headed by its path when `named` (a comparison's two drafters)."""
+    from dflash.train.eval import format_report
+
+    for path, ev in reports.items():
+        if named:
+            print(f"{path}:")
+        print(format_report(ev))
+        print()
+
+
 def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                  target: str | None = None, train_overrides: dict | None = None,
                  eval_prompts: int | None = None, compare: str | None = None) -> dict[str, Any]:
@@ -138,8 +149,6 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     of a finished run with the same request (gpu_request) and its eval reports prints them and writes nothing.
     compare: a second drafter architecture trained and evaluated beside DFlash's (dflash/recipes/compare.py; None:
     the preset's `compare`)."""
-    from dflash.train.eval import format_report
-
     workdir = os.path.abspath(workdir)  # every path the stages print is absolute
     recipe = load_recipe(preset)
     arch = recipe.compare if compare is None else compare
@@ -154,14 +163,12 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     reports = [os.path.join(r, f"eval-{dtype}.json") for r in runs.values() for dtype in recipe.eval_dtypes]
     stored = stored_result(summary_path, request, "request", reports)
     if stored is not None:
-        summary, reports = stored
+        summary, found = stored
         show_stored("demo", summary_path, summary, workdir,
                     again="delete that file and " + " and ".join(f"{r}/eval-*.json" for r in runs.values())
                     + " to measure again")
         print()
-        for ev in reports:
-            print(format_report(ev))
-            print()
+        show_reports(dict(zip(reports, found)), bool(arch))
         print(format_gpu_summary(summary))
         return summary
     check_caches(workdir, bool(arch))
@@ -231,8 +238,8 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
 
     atomic_json(summary_path, summary)
     print()
-    for ev in [*evals.values(), *(out2["eval"].values() if arch else [])]:
-        print(format_report(ev))
-        print()
+    outs = [out, out2] if arch else [out]
+    show_reports({os.path.join(r, f"eval-{dt}.json"): ev for r, o in zip(runs.values(), outs)
+                  for dt, ev in o["eval"].items()}, bool(arch))
     print(format_gpu_summary(summary))
     return summary
