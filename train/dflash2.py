@@ -179,8 +179,9 @@ class DFlash2Drafter(DFlashDrafter):
 
     def forward_blocks(self, hidden, blocks: Blocks, masks: dict, gamma: float = 7.0, hidden_scales=None):
         """Loss and metrics over prepared blocks (`train --val-cache`, train/validate.py): the objective of
-        forward_train. Its `accepted` is the selector's teacher-forced prefix against the target's argmax, which is
-        what drafting accepts: within an accepted prefix the drafted predecessors are the target's own tokens."""
+        forward_train. Its `accepted` is the selector's teacher-forced prefix against the target's argmax: what
+        drafting accepts on answers the target wrote greedily (regenerated), where within an accepted prefix the
+        drafted predecessors are the row's own tokens, the ones teacher forcing uses."""
         h = self.slot_outputs(hidden, blocks, masks, hidden_scales)
         return self.slot_loss(h, blocks, self.target_hidden(hidden, hidden_scales), gamma, self.selector_loss_alpha)
 
