@@ -6,8 +6,8 @@ tiny random target and a tiny copy of the preset:
     on the validation cache at every checkpoint;
   * both are evaluated by the same eval (the same prompts, in source and MT-Bench, in bf16 with n-gram lookup and in
     float32), and the summary's side-by-side figures are those of their eval reports and trainer summaries;
-  * a rerun prints the stored result and changes no file; a run killed after DFlash's stages (here: the DFlash2
-    run and its reports deleted, DFlash's kept) resumes with the DFlash2 stages only;
+  * a rerun prints the stored result and changes no file; a run SIGKILLed in the DFlash2 training (after DFlash's
+    stages) resumes that training from its checkpoint and does only what is left;
   * --compare is refused for the CPU recipe, and a bad `compare` in the preset names the field.
 """
 
@@ -132,35 +132,75 @@ def test_the_printed_table_and_the_stored_rerun(compared, capsys):
     assert "dflash2's training time" in out and "dflash2: speed-ups with both models eager" in out
 
 
-def test_a_run_killed_after_dflash_resumes_with_the_dflash2_stages(compared, tmp_path, capsys):
-    """The DFlash stages' outputs kept, the DFlash2 run gone (a kill during its training, before a checkpoint):
-    the rerun trains and evaluates DFlash2 only, and its summary has both."""
+# the demo in a child process, its training steps slowed (0.2 s each) so that it can be killed between two of them
+KILLABLE = """
+import sys, time
+import dflash.train.trainer as t
+_scores = t.Trainer.anchor_scores
+def slow(self, *a):
+    time.sleep(0.2)
+    return _scores(self, *a)
+t.Trainer.anchor_scores = slow
+from dflash.recipes.gpu import run_gpu_demo
+run_gpu_demo(sys.argv[1], preset=sys.argv[2], device="cpu", progress=False, target=sys.argv[3], compare="dflash2")
+"""
+
+
+def test_a_run_killed_in_dflash2s_training_resumes_with_what_is_left(compared, tmp_path, capsys):
+    """DFlash's stages done (the finished workdir less its DFlash2 run and summary), the demo is SIGKILLed after
+    the DFlash2 run's first checkpoint: the rerun resumes that training from it, evaluates DFlash2, reuses DFlash's
+    reports, and its summary has both and the killed run's time."""
     import shutil
+    import signal
+    import subprocess
+    import sys
+    import time
 
     from dflash.recipes.gpu import run_gpu_demo
+    from dflash.train.run_dir import latest_checkpoint
+    from tests.test_train import REPO, _env
 
     work = tmp_path / "w"
     shutil.copytree(compared["work"], work)
     shutil.rmtree(work / "run-dflash2")
     (work / "summary.json").unlink()
     dflash_reports = {p: p.read_bytes() for p in (work / "run").glob("eval-*.json")}
+    run2 = work / "run-dflash2"
+    p = subprocess.Popen([sys.executable, "-c", KILLABLE, str(work), str(compared["preset"]), str(compared["target"])],
+                         cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    try:
+        while latest_checkpoint(str(run2)) is None:
+            assert p.poll() is None, f"the demo ended before it could be killed: {p.communicate()[1][-3000:]}"
+            assert time.monotonic() < deadline, "the demo did not get there in time"
+            time.sleep(0.005)
+        p.send_signal(signal.SIGKILL)
+    finally:
+        p.wait(timeout=30)
+        p.stderr.close()
+    assert p.returncode == -signal.SIGKILL and not (run2 / "final").exists()
     capsys.readouterr()
     again = run_gpu_demo(str(work), preset=str(compared["preset"]), device="cpu", progress=False,
                          target=str(compared["target"]), compare="dflash2")
     out = capsys.readouterr().out
+    assert "run-dflash2/checkpoints/step_00000002 at step 2" in out  # resumed from its checkpoint
     assert {p: p.read_bytes() for p in (work / "run").glob("eval-*.json")} == dflash_reports  # reused
     assert "] train dflash2  (~" in out and "] eval float32 dflash2  (~" in out and "] eval float32  (~" not in out
     assert set(again["timings_s"]) >= {"train dflash2", "eval bfloat16 dflash2", "eval float32 dflash2"}
     assert "eval bfloat16" not in again["timings_s"]
+    first = compared["summary"]["compare"]
+    assert again["compare"]["eval"]["bfloat16"]["dflash"] == first["eval"]["bfloat16"]["dflash"]
+    t = again["compare"]["train"]["dflash2"]
+    assert t["steps"] == 4 and t["steps_timed"] == 2 and t["resumed"]  # the time of the steps this run made
+    assert [r[0] for r in again["dflash2"]["train"]["val_curve"]] == [2, 4]  # the killed run's validation kept
+    assert again["compare"]["lossless_float32"]["dflash2"]
+    assert len(again["all_runs"]) == len(compared["summary"]["all_runs"]) + 2  # the killed run counted, and this
     # the same workdir without --compare: its caches hold the last hidden state, one error before any stage
     from dflash.core.config import ConfigError
 
     with pytest.raises(ConfigError, match="--workdir .*cache/ was extracted with the target's last hidden state"):
         run_gpu_demo(str(work), preset=str(compared["preset"]), device="cpu", progress=False,
                      target=str(compared["target"]))
-    first = compared["summary"]["compare"]
-    assert again["compare"]["eval"]["bfloat16"]["dflash"] == first["eval"]["bfloat16"]["dflash"]
-    assert again["compare"]["train"]["dflash2"]["steps"] == 4 and again["compare"]["lossless_float32"]["dflash2"]
 
 
 def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
