@@ -203,6 +203,29 @@ def test_a_run_killed_in_dflash2s_training_resumes_with_what_is_left(compared, t
                      target=str(compared["target"]))
 
 
+def test_with_follow_the_dflash_trainer_follows_the_extraction_for_the_comparisons_steps(tmp_path, capsys):
+    """The shipped preset's path: DFlash's trainer a child process beside the extraction (compare_max_steps passed to
+    it), its waits for shards taken out of its training time; DFlash2's trained after it, in this process."""
+    from dflash.recipes.gpu import run_gpu_demo
+    from tests.tiny import make_tiny_target
+
+    preset = tmp_path / "tiny.yaml"
+    preset.write_text(COMPARE_RECIPE.replace("recipe:\n", "recipe:\n  follow: true\n"))
+    work = tmp_path / "w"
+    s = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False,
+                     target=str(make_tiny_target(tmp_path / "target")), compare="dflash2")
+    out = capsys.readouterr().out
+    assert "[train] train: drafter" in out and out.index("] extract  (~") < out.index("] train dflash2  (~")
+    assert s["follow"]["trainer_wall_s"] > 0
+    trainer = json.loads((work / "run" / "summary.json").read_text())
+    t = s["compare"]["train"]
+    assert trainer["steps"] == t["dflash"]["steps"] == t["dflash2"]["steps"] == 4  # compare_max_steps, both
+    assert t["dflash"]["follow_waited_s"] == trainer["follow"]["waited_s"]  # the child followed the extraction
+    assert t["dflash2"]["follow_waited_s"] == 0
+    assert "follow" not in json.loads((work / "run-dflash2" / "summary.json").read_text())  # alone, after
+    assert s["compare"]["lossless_float32"] == {"dflash": True, "dflash2": True}
+
+
 def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
     from dflash.core.config import ConfigError
     from dflash.recipes.demo import DemoConfig, run_demo
