@@ -8,7 +8,11 @@ tiny random target and a tiny copy of the preset:
     float32), and the summary's side-by-side figures are those of their eval reports and trainer summaries;
   * a rerun prints the stored result and changes no file; a run SIGKILLed in the DFlash2 training (after DFlash's
     stages) resumes that training from its checkpoint and does only what is left;
-  * --compare is refused for the CPU recipe, and a bad `compare` in the preset names the field.
+  * with `follow` (the shipped preset's), DFlash's trainer follows the extraction for the comparison's steps and
+    its waits for shards are out of its training time;
+  * the verdict says how the training times compare and which models ran as CUDA graphs;
+  * --compare is refused for the CPU recipe, a bad `compare` in the preset names the field, and the stage plan adds
+    the DFlash2 stages with shares that fit ~25 minutes.
 """
 
 import json

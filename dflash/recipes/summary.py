@@ -8,9 +8,11 @@ comparison's after it).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dflash.recipes.gpu_config import BARS
+from dflash.recipes.stages import train_rates
 
 
 def eval_figures(ev: dict[str, Any]) -> dict[str, Any]:
@@ -114,9 +116,6 @@ def drafter_figures(run: str, tr: dict[str, Any], evals: dict[str, dict]) -> dic
     """One drafter's part of the GPU summary: "train" (from its trainer's summary `tr` and RUN/metrics.jsonl, which
     holds every logged window across resumes), "eval" ({dtype: figures of its report}) and "bars" (on the first
     dtype's report)."""
-    import os
-
-    from dflash.recipes.stages import train_rates
     from dflash.train.run_dir import read_metrics
 
     hist = tr.get("history") or []
