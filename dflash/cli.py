@@ -332,8 +332,8 @@ def train(preset, gpus, no_progress, **flags):
 
 
 def refuse_dflash2_flags(arch: str, flags: dict) -> None:
-    """A DFlash2 setting given as a flag to another arch is an error, even at its default (TrainConfig refuses a
-    preset's value only where it differs from the default)."""
+    """A DFlash2 setting given as a flag to another arch is an error, even at its default (a preset's values are
+    unused there, and the trainer says so: one preset may serve both archs)."""
     from dflash.train.config import DFLASH2_ONLY, DFLASH2_SETTINGS
 
     given = [name for name in DFLASH2_SETTINGS if flags.get(name) is not None]
@@ -619,6 +619,11 @@ def check(drafter):
 @click.option("--eval-prompts", type=int, help=f"Held-out prompts for eval.  [default: CPU {CPU_SIZES['eval_prompts']}, GPU: preset]")
 @click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
 @click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
+@click.option("--compare", type=click.Choice(["dflash2"]),
+              help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden), with "
+                   "the same schedule and steps (both: the preset's compare_max_steps), evaluate both the same way and "
+                   "put them side by side in the summary (tau in source and on MT-Bench, over n-gram's, speed-ups, "
+                   "training times).  [default workdir: work/demo-gpu-dflash2]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 def demo(no_progress, **kw):

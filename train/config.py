@@ -102,9 +102,6 @@ class TrainConfig:
                   f"entries must be {' or '.join(LAYER_TYPES)}, got {kinds!r}")
             check("sliding_attention" not in kinds or self.draft_window is not None, "draft_layer_types",
                   "has sliding_attention layers: give --draft-window")
-        for name in DFLASH2_SETTINGS:  # a preset's (or the API's) value that a DFlash drafter would not use
-            check(self.arch == "dflash2" or getattr(self, name) == type(self).__dataclass_fields__[name].default, name,
-                  DFLASH2_ONLY)
         check(self.conv_kernel_size >= 1, "conv_kernel_size", f"must be >= 1, got {self.conv_kernel_size}")
         check(self.conv_kernel_size <= self.block_size, "conv_kernel_size",
               f"must be <= --block-size {self.block_size}, got {self.conv_kernel_size}")
@@ -155,8 +152,9 @@ class TrainConfig:
 
 
 ARCHS = ("dflash", "dflash2")
-# DFlash2's own settings (`dflash train --conv-kernel-size` ...; the same keys in a preset's train section): refused
-# with --arch dflash (a preset's or the API's value only where it is not the default)
+# DFlash2's own settings (`dflash train --conv-kernel-size` ...; the same keys in a preset's train section): a flag is
+# refused with --arch dflash; a preset's values are unused there and said so (unused_dflash2_settings), so that one
+# preset serves both archs (`dflash demo --compare dflash2` trains both from it)
 DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
 # the refusal of one given to another arch (after its flag's name)
 DFLASH2_ONLY = ("is a setting of --arch dflash2 (the DFlash drafter has no block convolution or candidate selector): "
@@ -180,3 +178,11 @@ IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", 
 # what a run.json written before a setting existed is read as having (that run trained with it)
 IDENTITY_DEFAULTS = {"arch": "dflash", "draft_window": None, "draft_layer_types": None, "conv_kernel_size": 2,
                      "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_loss_alpha": 1.0}
+
+
+def unused_dflash2_settings(cfg: TrainConfig) -> list[str]:
+    """The DFlash2 settings that cfg sets away from their defaults while training another arch (unused by it)."""
+    if cfg.arch == "dflash2":
+        return []
+    fields = type(cfg).__dataclass_fields__
+    return [name for name in DFLASH2_SETTINGS if getattr(cfg, name) != fields[name].default]

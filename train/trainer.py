@@ -46,7 +46,7 @@ from dflash.core.weights import check_roles
 
 from .compile_check import check_and_report, compile_count
 from .compile_step import cache_counters
-from .config import NonFiniteLoss, TrainConfig, TrainError, draft_layer_types
+from .config import NonFiniteLoss, TrainConfig, TrainError, draft_layer_types, unused_dflash2_settings
 from .dflash2 import make_drafter
 from .metrics import TrainMetrics, init_wandb
 from .model import DrafterConfig, DrafterError
@@ -112,6 +112,10 @@ class Trainer:
                                tied=bool(getattr(tc, "tie_word_embeddings", False)))
             if note:
                 print0(f"train: {note}")
+        unused = unused_dflash2_settings(cfg)
+        if unused:
+            print0(f"train: note: {', '.join(unused)} {'is a setting' if len(unused) == 1 else 'are settings'} of "
+                   f"--arch dflash2, unused by this --arch {cfg.arch} run")
         self.validator = None
         if cfg.val_cache:
             from .validate import Validator

@@ -49,6 +49,9 @@ class DemoConfig:
     # CPU recipe: MT-Bench first turns (one per category in turn) evaluated beside the held-out chitchat prompts,
     # as the out-of-source set (~6 s each on 2 cores); 0 = none. The GPU recipe's come from its preset
     out_of_source_prompts: int = 4
+    # GPU recipe: a drafter architecture trained and evaluated beside DFlash's from the same cache
+    # (dflash/recipes/compare.py); None: the preset's `compare`
+    compare: str | None = None
     device: str = "auto"
     progress: bool = True
 
@@ -59,6 +62,7 @@ class DemoConfig:
         check(self.eval_prompts is None or self.eval_prompts >= 1, "eval_prompts", "must be >= 1")
         check(self.train_steps is None or self.train_steps >= 1, "train_steps", "must be >= 1")
         check(self.drafter_layers is None or self.drafter_layers >= 1, "drafter_layers", "must be >= 1")
+        check(self.compare in (None, "dflash2"), "compare", f"must be dflash2, got {self.compare!r}")
         check(0 <= self.out_of_source_prompts <= 80, "out_of_source_prompts", "must be in 0..80 (MT-Bench has 80)")
 
     def resolved_recipe(self) -> str:
@@ -91,8 +95,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             raise ConfigError("--responses: the GPU recipe trains on regenerated responses only")
         overrides = {k: v for k, v in (("max_steps", cfg.train_steps), ("drafter_layers", cfg.drafter_layers))
                      if v is not None}
-        return run_gpu_demo(cfg.workdir or "work/demo-gpu", cfg.config or PRESET, cfg.device, cfg.progress,
-                            train_overrides=overrides, eval_prompts=cfg.eval_prompts)
+        return run_gpu_demo(cfg.workdir or ("work/demo-gpu-" + cfg.compare if cfg.compare else "work/demo-gpu"),
+                            cfg.config or PRESET, cfg.device, cfg.progress, train_overrides=overrides,
+                            eval_prompts=cfg.eval_prompts, compare=cfg.compare)
+    if cfg.compare is not None:
+        raise ConfigError("--compare: a comparison of the GPU recipe; the CPU recipe trains one drafter "
+                          "(use --recipe gpu)")
     if cfg.config is not None:
         raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
     return run_cpu_demo(cfg.cpu())

@@ -26,31 +26,42 @@ into the same workdir:
        step, held-out loss and decoding tau at every checkpoint)
     -> eval in bf16 (target alone, DFlash, n-gram lookup) and float32 (target alone, DFlash: the lossless check)
 
+With `compare: dflash2` (`dflash demo --compare dflash2`; dflash/recipes/compare.py) both caches hold the target's
+last hidden state too (extract --last-hidden), and after DFlash's training and evals a DFlash2 drafter trains from
+the same caches with the same schedule and steps (compare_max_steps: both drafters' steps) into run-dflash2/, and is
+evaluated the same way: stages "train dflash2", "eval bfloat16 dflash2", "eval float32 dflash2". The summary puts the
+two side by side under "compare" (each drafter's own figures under "train"/"eval"/"bars" and "dflash2").
+
 Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json (and data/self-prompts.json{,l}),
-regenerated/, regenerated-valid/, cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json),
+regenerated/, regenerated-valid/, cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json; a
+comparison's run-dflash2/ likewise),
 summary.json (the JSON summary, with the bars checked), time.json (the wall time of every run on the workdir: the
 time from nothing across resumes), caches/ (the tokenise, datasets and matplotlib caches: nothing is written outside
 the workdir). Each stage prints its line with its expected share of the time as it starts; a rerun of a finished demo
 prints the stored result and changes nothing (dflash/recipes/stages.py).
 
 Files: gpu_config.py (the preset's `recipe` section, the bars), mix.py (the data stage: split and mix),
-gpu_stages.py (the stages), summary.py (the summary's figures and table); this module runs them in order.
+gpu_stages.py (the stages), summary.py (the summary's figures and table), compare.py (a comparison's figures and
+table); this module runs them in order.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import time
 from typing import Any
 
-from dflash.core.config import read_preset
+from dflash.core.config import ConfigError, check, read_preset
 from dflash.core.io import atomic_json
-from dflash.recipes.gpu_config import PRESET, load_recipe
+from dflash.recipes.compare import (DFLASH2_EVAL_FACTOR, DFLASH2_TRAIN_FACTOR, LAST_HIDDEN_EXTRACT_FACTOR,
+                                    compare_run, compare_summary)
+from dflash.recipes.gpu_config import COMPARE_ARCHS, PRESET, load_recipe
 from dflash.recipes.gpu_stages import FollowingTrainer, WorkTime, follower_args, prepare, train_and_eval
 from dflash.recipes.self_prompts import NAME as SELF
-from dflash.recipes.stages import StagePlan, caches_under, now_stamp, read_dict, show_stored, stored_result, train_rates
-from dflash.recipes.summary import bars, format_gpu_summary, set_summary
+from dflash.recipes.stages import StagePlan, caches_under, now_stamp, read_dict, show_stored, stored_result
+from dflash.recipes.summary import drafter_figures, format_gpu_summary
 
 
 # Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts,
@@ -58,12 +69,20 @@ from dflash.recipes.summary import bars, format_gpu_summary, set_summary
 # extraction it ran beside). BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
 GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, "regenerate": 134.0, "extract": 62.0,
                      "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}
+# DFlash's whole training on its own (not beside the extraction), the base of the compared drafter's estimate: the
+# first compiled call 31 s, 7,500 steps of ~51 ms and 5 validations of ~15 s (BENCHMARKS.md, "GPU recipe")
+DFLASH_TRAIN_ALONE_S = 31.0 + 7500 * 0.051 + 5 * 15.0
 
 
-def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) -> StagePlan:
-    """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override)."""
+def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, compare: str = "") -> StagePlan:
+    """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override);
+    with `compare`, the second drafter's training and evals after DFlash's and the extraction with the last hidden
+    state, estimated by dflash/recipes/compare.py's factors until measured."""
     recipe = load_recipe(preset)
-    ref = GPU_STAGE_SECONDS
+    ref = dict(GPU_STAGE_SECONDS)
+    if compare:
+        for k in ("extract", "validation data"):
+            ref[k] *= LAST_HIDDEN_EXTRACT_FACTOR
     secs = {k: ref[k] for k in ("prepare target", "self prompts", "data", "regenerate")
             if k != "self prompts" or SELF in recipe.sources}
     if recipe.validation and recipe.follow:  # the trainer that follows the extraction needs the validation cache
@@ -72,52 +91,93 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None) ->
     if recipe.validation and not recipe.follow:
         secs["validation data"] = ref["validation data"]
     steps, preset_steps = (train_overrides or {}).get("max_steps"), read_preset(preset, "train").get("max_steps")
-    secs["train"] = ref["train"] * (steps / preset_steps if steps and preset_steps else 1.0)
-    for i, dtype in enumerate(recipe.eval_dtypes):
-        secs[f"eval {dtype}"] = ref.get(f"eval {dtype}", ref["eval bfloat16"] if i == 0 else ref["eval float32"])
+    scale = steps / preset_steps if steps and preset_steps else 1.0
+    secs["train"] = ref["train"] * scale
+    evals = {f"eval {dtype}": ref.get(f"eval {dtype}", ref["eval bfloat16"] if i == 0 else ref["eval float32"])
+             for i, dtype in enumerate(recipe.eval_dtypes)}
+    secs.update(evals)
+    if compare:  # trained alone after DFlash's (which follows the extraction): DFlash's whole training, scaled
+        secs[f"train {compare}"] = DFLASH_TRAIN_ALONE_S * scale * DFLASH2_TRAIN_FACTOR
+        secs.update({f"{k} {compare}": v * DFLASH2_EVAL_FACTOR for k, v in evals.items()})
     return StagePlan(secs)
 
 
+def check_caches(workdir: str, last_hidden: bool) -> None:
+    """A workdir whose caches were extracted for the other mode (a comparison's hold the target's last hidden state, the
+    recipe's do not) is one error line before any stage, rather than the extraction's mismatch."""
+    for name in ("cache", "cache-valid"):
+        path = os.path.join(workdir, name)
+        root = read_dict(os.path.join(path, "zarr.json"))
+        if root is None:
+            continue
+        has = bool((root.get("attributes") or {}).get("last_hidden", False))
+        if has != last_hidden:
+            raise ConfigError(f"--workdir {workdir}: its {name}/ was extracted {'with' if has else 'without'} the "
+                              f"target's last hidden state, for a demo {'with' if has else 'without'} --compare: give "
+                              "another --workdir (a comparison's default is work/demo-gpu-dflash2, the recipe's "
+                              f"work/demo-gpu) or delete {path}")
+
+
 def gpu_request(preset: str, device: str, target: str | None, train_overrides: dict | None,
-                eval_prompts: int | None) -> dict[str, Any]:
+                eval_prompts: int | None, compare: str = "") -> dict[str, Any]:
     """What makes a GPU demo's result (the preset by name and content, and the arguments that change it): a rerun
-    with the same finds it stored."""
+    with the same finds it stored. A comparison's names its architecture (`compare`)."""
     from dflash.core.config import resolve_preset
 
     path = resolve_preset(preset)
     data = open(path, "rb").read() if isinstance(path, str) else path.read_bytes()
     return {"preset": preset, "preset_sha256": hashlib.sha256(data).hexdigest(), "device": device, "target": target,
-            "train_overrides": dict(train_overrides or {}), "eval_prompts": eval_prompts}
+            "train_overrides": dict(train_overrides or {}), "eval_prompts": eval_prompts,
+            **({"compare": compare} if compare else {})}
+
+
+def show_reports(reports: dict[str, dict], named: bool) -> None:
+    """Print the eval reports ({path: report}), each headed by its path when `named` (a comparison's two drafters)."""
+    from dflash.train.eval import format_report
+
+    for path, ev in reports.items():
+        if named:
+            print(f"{path}:")
+        print(format_report(ev))
+        print()
 
 
 def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                  target: str | None = None, train_overrides: dict | None = None,
-                 eval_prompts: int | None = None) -> dict[str, Any]:
+                 eval_prompts: int | None = None, compare: str | None = None) -> dict[str, Any]:
     """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json. A rerun that finds the summary
-    of a finished run with the same request (gpu_request) and its eval reports prints them and writes nothing."""
-    from dflash.train.eval import format_report
-    from dflash.train.run_dir import read_metrics
-
+    of a finished run with the same request (gpu_request) and its eval reports prints them and writes nothing.
+    compare: a second drafter architecture trained and evaluated beside DFlash's (dflash/recipes/compare.py; None:
+    the preset's `compare`)."""
     workdir = os.path.abspath(workdir)  # every path the stages print is absolute
     recipe = load_recipe(preset)
+    arch = recipe.compare if compare is None else compare
+    check(arch in COMPARE_ARCHS, "compare", f"must be one of {', '.join(a for a in COMPARE_ARCHS if a)}, got {arch!r}")
     run, summary_path = os.path.join(workdir, "run"), os.path.join(workdir, "summary.json")
-    request = gpu_request(preset, device, target, train_overrides, eval_prompts)
-    stored = stored_result(summary_path, request, "request",
-                           [os.path.join(run, f"eval-{dtype}.json") for dtype in recipe.eval_dtypes])
+    runs = {"dflash": run, **({arch: compare_run(workdir, arch)} if arch else {})}
+    request = gpu_request(preset, device, target, train_overrides, eval_prompts, arch)
+    # a comparison trains both drafters for compare_max_steps unless the steps were given
+    train_overrides = dict(train_overrides or {})
+    if arch and recipe.compare_max_steps and "max_steps" not in train_overrides:
+        train_overrides["max_steps"] = recipe.compare_max_steps
+    reports = [os.path.join(r, f"eval-{dtype}.json") for r in runs.values() for dtype in recipe.eval_dtypes]
+    stored = stored_result(summary_path, request, "request", reports)
     if stored is not None:
-        summary, reports = stored
+        summary, found = stored
         show_stored("demo", summary_path, summary, workdir,
-                    again=f"delete that file and {run}/eval-*.json to measure again")
+                    again="delete that file and " + " and ".join(f"{r}/eval-*.json" for r in runs.values())
+                    + " to measure again")
         print()
-        for ev in reports:
-            print(format_report(ev))
-            print()
+        show_reports(dict(zip(reports, found)), bool(arch))
         print(format_gpu_summary(summary))
         return summary
-    plan = gpu_stage_plan(preset, train_overrides)
-    print(f"demo: the GPU recipe ({preset}) in {len(plan.seconds)} stages, about "
-          f"{sum(plan.seconds.values()) / 60:.0f} min on one H200 (as measured for the shipped preset); the first "
-          "training steps compile the step (~40 s)", flush=True)
+    check_caches(workdir, bool(arch))
+    plan = gpu_stage_plan(preset, train_overrides, arch)
+    what = f"the GPU recipe ({preset})" + (f", a {arch} drafter compared with the DFlash one," if arch else "")
+    print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one H200 ("
+          + (f"estimated: the {arch} stages from DFlash's, training x{DFLASH2_TRAIN_FACTOR:g}, eval "
+             f"x{DFLASH2_EVAL_FACTOR:g}" if arch else "as measured for the shipped preset")
+          + "); the first training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     clock = WorkTime(workdir, timings)
@@ -131,19 +191,21 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
 
             try:
                 prep = prepare(workdir, preset, device, progress, target, timings, stages=plan,
-                               tokenize_cache=tokenize_cache, before_extract=start_follower if recipe.follow else None)
+                               tokenize_cache=tokenize_cache, before_extract=start_follower if recipe.follow else None,
+                               last_hidden=bool(arch))
                 prep.follower = followers[0] if followers else None
                 out = train_and_eval(prep, run, preset, device, progress, train_overrides, eval_prompts,
                                      timings=timings, stages=plan)
+                if arch:  # from the same caches, the same schedule and steps, the same eval; after DFlash's
+                    out2 = train_and_eval(dataclasses.replace(prep, follower=None), runs[arch], preset, device,
+                                          progress, dict(train_overrides, arch=arch), eval_prompts, timings=timings,
+                                          stages=plan, label=arch)
             finally:
                 for f in followers:
                     f.stop()
     finally:
         clock.close()
-    tr, evals = out["train"], out["eval"]
-    hist = tr.get("history") or []
-    last = hist[-1] if hist else {}
-    first = next(iter(evals.values()))
+    evals = out["eval"]
     # a resumed run's own figures cover only what it did: the earlier runs' come from the summary they left
     # (regeneration, extraction) and from RUN/metrics.jsonl (every logged window of the training, resumes cut it
     # back to the checkpoint they start from)
@@ -153,34 +215,12 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     if regen and not regen["generated_tokens_this_rank"] and old.get("regenerate"):
         regen = old["regenerate"]
     ex_tps = (prep.extract or {}).get("tokens_per_s_this_rank") or old.get("extract_tokens_per_s")
-    records = read_metrics(os.path.join(workdir, "run")) or hist
-    rates = train_rates(records)
     summary = {
         "recipe": "gpu", "preset": preset, "request": request, "finished_at": now_stamp(),
         "target": prep.target, "data": prep.counts,
         "regenerate": regen,
         "extract_tokens_per_s": ex_tps,
-        "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
-                  # the run mean after the first window (the warm-up) and the last window, with their steps
-                  "ctx_tokens_per_s": rates["train_tokens_per_s"], "ctx_tokens_per_s_steps": rates[
-                      "train_tokens_per_s_steps"], "ctx_tokens_per_s_last_window": rates[
-                      "train_tokens_per_s_last_window"], "last_window_steps": rates["train_last_window_steps"],
-                  "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"),
-                  "val_tau_expected": (tr.get("val") or {}).get("val_tau_expected"),
-                  "val_loss": (tr.get("val") or {}).get("val_loss"),
-                  # [step, held-out decoding tau, held-out expected tau] at every checkpoint
-                  "val_curve": [[h["step"], h.get("val_tau_decode"), h["val_tau_expected"]]
-                                for h in records if "val_tau_expected" in h]},
-        "eval": {dt: {"tau_dflash": ev["dflash"]["tau"], "tau_ngram": ev.get("ngram", {}).get("tau"),
-                      "tokens_per_s": {"target": ev["target_tokens_per_s"], "dflash": ev["dflash"]["tokens_per_s"],
-                                       "ngram": ev.get("ngram", {}).get("tokens_per_s")},
-                      "speedup_dflash": ev["dflash"]["speedup"], "speedup_ngram": ev.get("ngram", {}).get("speedup"),
-                      "ms_per_step": {"target": ev["target"]["ms_per_step"], "dflash": ev["dflash"]["ms_per_step"]},
-                      "identical": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
-                      "differences": {k: ev["dflash"]["differences"][k] for k in ("differing", "near_tie", "suspect")},
-                      "sets": {k: set_summary(g) for k, g in (ev.get("sets") or {}).items()}}
-                 for dt, ev in evals.items()},
-        "bars": bars(first),
+        **drafter_figures(run, out["train"], evals),
         "lossless_float32": (evals["float32"]["dflash"]["outputs_identical"] == evals["float32"]["prompts"]
                              if "float32" in evals else None),
         "timings_s": timings,
@@ -191,11 +231,15 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         "all_runs": clock.runs,  # every run of the demo on this workdir, the killed ones too (WORKDIR/time.json)
         "wall_s_all_runs": sum(r["wall_s"] for r in clock.runs),
     }
+    if arch:  # the compared drafter's own figures (as the DFlash drafter's above), then both side by side
+        summary[arch] = drafter_figures(runs[arch], out2["train"], out2["eval"])
+        summary["compare"] = compare_summary(arch, runs, {"dflash": evals, arch: out2["eval"]},
+                                             read_preset(preset, "train").get("max_steps"))
 
     atomic_json(summary_path, summary)
     print()
-    for ev in evals.values():
-        print(format_report(ev))
-        print()
+    outs = [out, out2] if arch else [out]
+    show_reports({os.path.join(r, f"eval-{dt}.json"): ev for r, o in zip(runs.values(), outs)
+                  for dt, ev in o["eval"].items()}, bool(arch))
     print(format_gpu_summary(summary))
     return summary

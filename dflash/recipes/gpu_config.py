@@ -16,6 +16,8 @@ PRESET = "demo-gpu"
 # The bars (DESIGN.md section 5), checked in the summary: tau on the in-source prompts, tau over n-gram lookup's on
 # the same out-of-source prompts, the speed-up over the target alone on the in-source prompts (first eval dtype).
 BARS = {"tau": 3.5, "out_of_source_tau_over_ngram": 2.0, "speedup": 2.0}
+# the drafter architectures a comparison can train beside DFlash's ("" = no comparison)
+COMPARE_ARCHS = ("", "dflash2")
 
 
 @dataclass
@@ -58,6 +60,11 @@ class GpuRecipe:
     # train while extracting: the validation data first, then `dflash train --follow` as a child process on the same
     # device beside the main extraction (dflash/pipeline.py says what sharing one GPU costs); false: one after the other
     follow: bool = False
+    # the comparison (`dflash demo --compare dflash2`, dflash/recipes/compare.py): "" = none; dflash2 = a DFlash2
+    # drafter trained after the DFlash one from the same cache (extracted with --last-hidden, the validation cache too)
+    # with the same schedule and steps, into run-dflash2/, and evaluated as it is; the summary puts them side by side
+    compare: str = ""
+    compare_max_steps: int = 0  # optimizer steps of BOTH drafters in a comparison (0 = the train section's max_steps)
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
@@ -94,6 +101,9 @@ class GpuRecipe:
         check(self.self_temperature > 0, "self_temperature",
               f"must be > 0 (greedy would write one turn {self.self_prompts} times), got {self.self_temperature}")
         check(0 < self.self_top_p <= 1, "self_top_p", f"must be in (0, 1], got {self.self_top_p}")
+        check(self.compare in COMPARE_ARCHS, "compare",
+              f"must be {' or '.join(repr(a) for a in COMPARE_ARCHS)} (none), got {self.compare!r}")
+        check(self.compare_max_steps >= 0, "compare_max_steps", "must be >= 0 (0 = the train section's max_steps)")
         check(self.self_batch_size >= 0, "self_batch_size", "must be >= 0 (0 = the default)")
 
 

@@ -89,13 +89,14 @@ def follower_args(target: str, cache: str, val_cache: str | None, run: str, pres
 
 def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
             target: str | None = None, timings: dict | None = None, stages: StagePlan | None = None,
-            tokenize_cache: str | None = None, before_extract=None) -> Prepared:
+            tokenize_cache: str | None = None, before_extract=None, last_hidden: bool = False) -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
     target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape); timings: the
     dict each stage's seconds go into as it ends (a new one by default); stages: prints each stage's line as it
     starts; tokenize_cache: extract's --tokenize-cache (None: its default); before_extract(target, cache,
     val_cache): called just before the main extraction starts, the validation data being made first (the recipe's
-    `follow`: it starts the trainer that follows the extraction)."""
+    `follow`: it starts the trainer that follows the extraction); last_hidden: both caches hold the target's last
+    hidden state too (extract --last-hidden: what a DFlash2 drafter trains and validates against)."""
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
@@ -104,6 +105,8 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     timings = timings if timings is not None else {}
     start = stages.start if stages is not None else (lambda name: None)
     tok = {"tokenize_cache": tokenize_cache} if tokenize_cache else {}
+    if last_hidden:
+        tok["last_hidden"] = True
     start("prepare target")
     t = time.perf_counter()
     if target is None:
@@ -179,18 +182,20 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
                    train_overrides: dict | None = None, eval_prompts: int | None = None,
                    eval_dtypes: list[str] | None = None, timings: dict | None = None,
                    ngram: bool = True, eval_overrides: dict | None = None, eval_tag: str = "",
-                   stages: StagePlan | None = None) -> dict[str, Any]:
+                   stages: StagePlan | None = None, label: str = "") -> dict[str, Any]:
     """Train a drafter into `run` (resumed when rerun) and evaluate RUN/final once per dtype (RUN/eval-DTYPE.json,
     reused when newer than RUN/final; eval_tag names variants, e.g. eval-bfloat16-graph.json); n-gram lookup runs
     in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph); stages: prints
-    each stage's line as it starts. Returns {"train": summary, "eval": {dtype: report}}."""
+    each stage's line as it starts; label names the stages and their timings ("train LABEL", "eval DTYPE LABEL": a
+    second drafter's). Returns {"train": summary, "eval": {dtype: report}}."""
     from dflash.train.eval import EvalConfig, run_eval
     from dflash.train.trainer import TrainConfig, run_train
 
     recipe = load_recipe(preset)
     timings = timings if timings is not None else {}
     start = stages.start if stages is not None else (lambda name: None)
-    start("train")
+    tail = f" {label}" if label else ""
+    start("train" + tail)
     t = time.perf_counter()
     base = {"cache": prep.cache, "target": prep.target, "out": run, "device": device, "progress": progress}
     if prep.val_cache:
@@ -198,7 +203,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     if prep.follower is not None:  # it trained beside the extraction: wait for it; run_train then finds it finished
         prep.follower.wait()
     tr = run_train(build(TrainConfig, preset, "train", dict(base, **(train_overrides or {}))))
-    timings["train"] = time.perf_counter() - t  # with follow: only what was left after the extraction
+    timings["train" + tail] = time.perf_counter() - t  # with follow: only what was left after the extraction
     evals = {}
     # the in-source and out-of-source prompts (heldout.jsonl alternates them: a prefix samples both)
     n_eval = eval_prompts or recipe.eval_prompts + int(prep.counts.get("out_of_source_prompts") or 0)
@@ -208,7 +213,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
             with open(path) as f:
                 evals[dtype] = json.load(f)
             continue
-        start(f"eval {dtype}")
+        start(f"eval {dtype}{tail}")
         t = time.perf_counter()
         evals[dtype] = run_eval(build(EvalConfig, preset, "eval", {
             "target": prep.target, "drafter": os.path.join(run, "final"), "data": prep.heldout,
@@ -217,7 +222,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
             "max_new_tokens": recipe.eval_max_new_tokens,
             "dtype": dtype, "ngram": ngram and i == 0, "device": device, "json_out": path, "progress": progress,
             "plot": os.path.join(run, f"acceptance-{dtype}.png") if i == 0 else None} | (eval_overrides or {})))
-        timings[f"eval {dtype}"] = time.perf_counter() - t
+        timings[f"eval {dtype}{tail}"] = time.perf_counter() - t
     return {"train": tr, "eval": evals}
 
 

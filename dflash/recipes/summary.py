@@ -2,14 +2,17 @@
 
 CPU recipe: eval_figures (the summary's tau, speed-up and identical outputs, in-source and out-of-source) and
 format_cpu_summary (its table). GPU recipe: bars (the bars of BARS checked on an eval report), set_summary (a set's or
-category's figures) and format_gpu_summary (its table).
+category's figures), drafter_figures (a drafter's training and eval figures) and format_gpu_summary (its table, and a
+comparison's after it).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from dflash.recipes.gpu_config import BARS
+from dflash.recipes.stages import train_rates
 
 
 def eval_figures(ev: dict[str, Any]) -> dict[str, Any]:
@@ -109,6 +112,44 @@ def set_summary(g: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def drafter_figures(run: str, tr: dict[str, Any], evals: dict[str, dict]) -> dict[str, Any]:
+    """One drafter's part of the GPU summary: "train" (from its trainer's summary `tr` and RUN/metrics.jsonl, which
+    holds every logged window across resumes), "eval" ({dtype: figures of its report}) and "bars" (on the first
+    dtype's report)."""
+    from dflash.train.run_dir import read_metrics
+
+    hist = tr.get("history") or []
+    last = hist[-1] if hist else {}
+    # a resumed run's own figures cover only what it did: RUN/metrics.jsonl has every logged window of the training
+    # (resumes cut it back to the checkpoint they start from)
+    records = read_metrics(run) if os.path.isdir(run) else None
+    records = records or hist
+    rates = train_rates(records)
+    val = tr.get("val") or {}
+    return {
+        "train": {"steps": tr.get("steps"), "final_loss": last.get("loss"), "tau_expected": last.get("tau_expected"),
+                  # the run mean after the first window (the warm-up) and the last window, with their steps
+                  "ctx_tokens_per_s": rates["train_tokens_per_s"], "ctx_tokens_per_s_steps": rates[
+                      "train_tokens_per_s_steps"], "ctx_tokens_per_s_last_window": rates[
+                      "train_tokens_per_s_last_window"], "last_window_steps": rates["train_last_window_steps"],
+                  "val_tau_decode": val.get("val_tau_decode"), "val_tau_expected": val.get("val_tau_expected"),
+                  "val_loss": val.get("val_loss"),
+                  # [step, held-out decoding tau, held-out expected tau] at every checkpoint
+                  "val_curve": [[h["step"], h.get("val_tau_decode"), h["val_tau_expected"]]
+                                for h in records if "val_tau_expected" in h]},
+        "eval": {dt: {"tau_dflash": ev["dflash"]["tau"], "tau_ngram": ev.get("ngram", {}).get("tau"),
+                      "tokens_per_s": {"target": ev["target_tokens_per_s"], "dflash": ev["dflash"]["tokens_per_s"],
+                                       "ngram": ev.get("ngram", {}).get("tokens_per_s")},
+                      "speedup_dflash": ev["dflash"]["speedup"], "speedup_ngram": ev.get("ngram", {}).get("speedup"),
+                      "ms_per_step": {"target": ev["target"]["ms_per_step"], "dflash": ev["dflash"]["ms_per_step"]},
+                      "identical": f"{ev['dflash']['outputs_identical']}/{ev['prompts']}",
+                      "differences": {k: ev["dflash"]["differences"][k] for k in ("differing", "near_tie", "suspect")},
+                      "sets": {k: set_summary(g) for k, g in (ev.get("sets") or {}).items()}}
+                 for dt, ev in evals.items()},
+        "bars": bars(next(iter(evals.values()))),
+    }
+
+
 def format_gpu_summary(s: dict[str, Any]) -> str:
     b, d = s["bars"], s["data"]
     src = d.get("sources") or {}
@@ -147,4 +188,9 @@ def format_gpu_summary(s: dict[str, Any]) -> str:
         rows.append(("time from nothing", f"{s['wall_s_all_runs']:.0f}s in {len(s['all_runs'])} runs "
                                           "(" + ", ".join(f"{r['wall_s']:.0f}s" for r in s["all_runs"]) + ")"))
     w = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    table = "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+    if s.get("compare"):  # a comparison (dflash/recipes/compare.py): the two drafters side by side
+        from dflash.recipes.compare import format_compare
+
+        table += "\n\n" + format_compare(s["compare"])
+    return table
