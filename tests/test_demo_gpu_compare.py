@@ -21,6 +21,7 @@ import statistics
 import pytest
 
 from tests.test_demo_gpu_recipe import TINY_RECIPE
+from tests.workload import slowed_steps
 
 COMPARE_RECIPE = TINY_RECIPE.replace("recipe:\n", """recipe:
   compare_max_steps: 4
@@ -137,14 +138,7 @@ def test_the_printed_table_and_the_stored_rerun(compared, capsys):
 
 
 # the demo in a child process, its training steps slowed (0.2 s each) so that it can be killed between two of them
-KILLABLE = """
-import sys, time
-import dflash.train.trainer as t
-_scores = t.Trainer.anchor_scores
-def slow(self, *a):
-    time.sleep(0.2)
-    return _scores(self, *a)
-t.Trainer.anchor_scores = slow
+KILLABLE = slowed_steps(0.2) + """
 from dflash.recipes.gpu import run_gpu_demo
 run_gpu_demo(sys.argv[1], preset=sys.argv[2], device="cpu", progress=False, target=sys.argv[3], compare="dflash2")
 """

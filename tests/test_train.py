@@ -44,6 +44,7 @@ from dflash.core.config import ConfigError
 from dflash.train.checkpoint import load_drafter
 from dflash.train.trainer import TrainConfig, lr_at, resolve_mask_token_id
 from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, write_jsonl
+from tests.workload import slowed_steps
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -323,14 +324,7 @@ def test_no_compile_check_flag(env, tmp_path):
 
 # `dflash train`, with every micro-step slowed by 0.1 s (numerics untouched), so that a SIGKILL lands
 # reliably where the test wants it rather than after the end of the run.
-THROTTLED = """
-import sys, time
-import dflash.train.trainer as t
-_scores = t.Trainer.anchor_scores
-def slow(self, *a):
-    time.sleep(0.1)
-    return _scores(self, *a)
-t.Trainer.anchor_scores = slow
+THROTTLED = slowed_steps(0.1) + """
 from dflash.cli import main
 sys.argv = ["dflash", *sys.argv[1:]]
 main()

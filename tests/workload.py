@@ -9,6 +9,7 @@ NUM_ANCHORS * w_1: the comparison is then exact in real arithmetic, and only flo
 
     make_workload(root) -> {"target", "cache", "rows", "min_valid_anchors"}
     hf_greedy(model, prompt, max_new, eos) -> token ids   # the independent greedy reference of the eval tests
+    slowed_steps(seconds) -> Python source    # a child process's training steps slowed, for kills between steps
 """
 
 from __future__ import annotations
@@ -75,3 +76,17 @@ def hf_greedy(model, prompt: list[int], max_new: int, eos: set[int] = frozenset(
             if t in eos:
                 break
     return out
+
+
+def slowed_steps(seconds: float) -> str:
+    """Python source that slows every training micro-step by `seconds` (Trainer.anchor_scores wrapped, the numerics
+    untouched): the start of a child process's script, so that a SIGKILL lands between two steps."""
+    return f"""
+import sys, time
+import dflash.train.trainer as t
+_scores = t.Trainer.anchor_scores
+def slow(self, *a):
+    time.sleep({seconds})
+    return _scores(self, *a)
+t.Trainer.anchor_scores = slow
+"""
