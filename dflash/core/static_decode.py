@@ -90,32 +90,49 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def _layer_pre(x, ln_w, eps: float, qkv_w, qkv_b, qk_norm, cos, sin, heads: int, kv_heads: int):
-    """A step's layer up to its cache write: the norm, q/k/v in one matmul, the q/k norms (Qwen3), the rotary
-    embedding. Returns (queries folded onto their KV head [n, Hkv, G*q, D], keys, values [n, q, Hkv, D])."""
-    n, q, _ = x.shape
-    heads_kv = torch.nn.functional.linear(_rms(x, ln_w, eps), qkv_w, qkv_b)
-    D = heads_kv.shape[-1] // (heads + 2 * kv_heads)
-    t = heads_kv.view(n, q, heads + 2 * kv_heads, D)
+def _project(h, qkv_w, qkv_b, qk_norm, cos, sin, heads: int, kv_heads: int):
+    """The attention inputs of normed h [n, q, H]: q, k and v in one matmul (the projections stacked), the q/k norms
+    (Qwen3; qk_norm = (q weight, k weight, eps) or None), the rotary embedding of q and k at once (rotate_half(t) =
+    roll(t, D/2) * [-1]*D/2 + [1]*D/2, the sign folded into sin). Returns q [n, q, Hq, D], k and v [n, q, Hkv, D]."""
+    n, q, _ = h.shape
+    t = torch.nn.functional.linear(h, qkv_w, qkv_b)
+    D = t.shape[-1] // (heads + 2 * kv_heads)
+    t = t.view(n, q, heads + 2 * kv_heads, D)
     qk = t[:, :, :heads + kv_heads]
     if qk_norm is not None:
         qw, kw, qk_eps = qk_norm
         qk = torch.cat([_rms(qk[:, :, :heads], qw, qk_eps), _rms(qk[:, :, heads:], kw, qk_eps)], 2)
     qk = qk * cos[:, :, None] + qk.roll(D // 2, -1) * sin[:, :, None]
-    g = qk[:, :, :heads].transpose(1, 2).reshape(n, kv_heads, (heads // kv_heads) * q, D)
-    return g, qk[:, :, heads:], t[:, :, heads + kv_heads:]
+    return qk[:, :, :heads], qk[:, :, heads:], t[:, :, heads + kv_heads:]
+
+
+def _fold(qs, kv_heads: int):
+    """Queries [n, q, Hq, D] folded onto their KV head: [n, Hkv, G*q, D], row g*q + j = head kv*G + g, token j."""
+    n, q, heads, D = qs.shape
+    return qs.transpose(1, 2).reshape(n, kv_heads, (heads // kv_heads) * q, D)
+
+
+def _attend(g, kc, vc, mask, scaling: float, q: int):
+    """A plain softmax(q k^T) v of the folded queries g over the cache's first columns kc, vc [n, Hkv, S, D]
+    (float32 scores; mask [n, 1, G*q, S]: what each query row sees): SDPA's masked kernels spend ~45 us on a
+    one-token query (the H200). Returns [n, q, Hq * D]."""
+    n, Hk, _, D = g.shape
+    scores = torch.matmul(g, kc.transpose(-1, -2)).float().mul_(scaling).masked_fill_(~mask, float("-inf"))
+    out = torch.matmul(scores.softmax(-1).to(g.dtype), vc)  # [n, Hk, G*q, D]
+    heads = out.shape[2] // q * Hk
+    return out.view(n, heads, q, D).transpose(1, 2).reshape(n, q, heads * D)
+
+
+def _layer_pre(x, ln_w, eps: float, qkv_w, qkv_b, qk_norm, cos, sin, heads: int, kv_heads: int):
+    """A step's layer up to its cache write: the norm, then _project. Returns (the queries folded, keys, values)."""
+    qs, ks, vs = _project(_rms(x, ln_w, eps), qkv_w, qkv_b, qk_norm, cos, sin, heads, kv_heads)
+    return _fold(qs, kv_heads), ks, vs
 
 
 def _layer_post(x, g, kc, vc, mask, scaling: float, o_w, o_b, ln_w, eps: float, gate_w, up_w, down_w):
-    """A step's layer after its cache write: attention of the folded queries g over the cache's first columns (a
-    plain softmax, float32 scores as StaticDecoder._attention), the output projection, the residual, the gated MLP
-    and its residual."""
-    n, q, H = x.shape
-    Hk, D = kc.shape[1], kc.shape[-1]
-    scores = torch.matmul(g, kc.transpose(-1, -2)).float().mul(scaling).masked_fill(~mask, float("-inf"))
-    out = torch.matmul(scores.softmax(-1).to(x.dtype), vc)  # [n, Hk, G*q, D]
-    heads = out.shape[2] // q * Hk
-    x = x + torch.nn.functional.linear(out.view(n, heads, q, D).transpose(1, 2).reshape(n, q, heads * D), o_w, o_b)
+    """A step's layer after its cache write: _attend, the output projection, the residual, the gated MLP and its
+    residual."""
+    x = x + torch.nn.functional.linear(_attend(g, kc, vc, mask, scaling, x.shape[1]), o_w, o_b)
     h = _rms(x, ln_w, eps)
     act = torch.nn.functional.silu(torch.nn.functional.linear(h, gate_w)) * torch.nn.functional.linear(h, up_w)
     return x + torch.nn.functional.linear(act, down_w)
@@ -217,13 +234,22 @@ class StaticDecoder:
 
     # -- the layers ------------------------------------------------------------------------------------------------
     def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
-        """The HF RMSNorm `module` on x: weight * (x in float32 / rms).to(x's dtype), through torch's rms_norm
-        (fewer kernels than the module's six elementwise ones: a decode step is bound by launches)."""
+        """The HF RMSNorm `module` on x (_rms: fewer kernels than the module's six elementwise ones, a decode step
+        being bound by launches); any other norm module as it is."""
         eps = getattr(module, "variance_epsilon", None)
-        if eps is None:
-            return module(x)
-        y = torch.nn.functional.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
-        return module.weight * y
+        return module(x) if eps is None else _rms(x, module.weight, eps)
+
+    @staticmethod
+    def _qk_norm(a):
+        """_project's qk_norm of attention module a: (q weight, k weight, eps) for Qwen3's q/k norms, else None."""
+        return (a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon) if hasattr(a, "q_norm") else None
+
+    def _write_step(self, i: int, ks: torch.Tensor, vs: torch.Tensor, cols: torch.Tensor) -> None:
+        """A step's keys and values [n, q, Hkv, D] into layer i's cache, row r's at its columns cols[r]."""
+        n, q = cols.shape
+        r = torch.arange(n, device=cols.device)[:, None].expand(n, q)
+        self.k[i][r, :, cols] = ks  # advanced indices first: [n, q, Hk, D]
+        self.v[i][r, :, cols] = vs
 
     def _attention(self, i: int, layer, x: torch.Tensor, cos, sin, rows, start, span: int | None, cols, mask):
         """Self-attention of layer i for x [n, q, H] at positions start[r]+j. span=None: a prefill (rows' columns
@@ -231,48 +257,31 @@ class StaticDecoder:
         the step writes; mask [n, 1, G*q, span]: what each folded query row sees)."""
         a = layer.self_attn
         n, q, _ = x.shape
-        D, Hq, Hk = self.head_dim, self.heads, self.kv_heads
         w, b = self._qkv[i]
-        heads = torch.nn.functional.linear(x, w, b).view(n, q, Hq + 2 * Hk, D)  # q, k and v in one matmul
-        if hasattr(a, "q_norm"):
-            qk = torch.cat([self._norm(a.q_norm, heads[:, :, :Hq]), self._norm(a.k_norm, heads[:, :, Hq:Hq + Hk])], 2)
-        else:
-            qk = heads[:, :, :Hq + Hk]
-        # rotary on q and k at once: rotate_half(t) = roll(t, D/2) * [-1]*D/2 + [1]*D/2, the sign folded into sin
-        qk = qk * cos[:, :, None] + qk.roll(D // 2, -1) * sin[:, :, None]
-        qs, ks = qk[:, :, :Hq].transpose(1, 2), qk[:, :, Hq:]  # qs [n, Hq, q, D]; ks [n, q, Hk, D]
-        vs = heads[:, :, Hq + Hk:]
+        qs, ks, vs = _project(x, w, b, self._qk_norm(a), cos, sin, self.heads, self.kv_heads)
         if span is None:
             self.k[i][rows, :, :q] = ks.transpose(1, 2)
             self.v[i][rows, :, :q] = vs.transpose(1, 2)
             out = torch.nn.functional.scaled_dot_product_attention(
-                qs, ks.transpose(1, 2), vs.transpose(1, 2), is_causal=True, scale=a.scaling, enable_gqa=Hq != Hk)
-            out = out.transpose(1, 2)
+                qs.transpose(1, 2), ks.transpose(1, 2), vs.transpose(1, 2), is_causal=True, scale=a.scaling,
+                enable_gqa=self.heads != self.kv_heads)
+            out = out.transpose(1, 2).reshape(n, q, -1)
         else:
-            r = torch.arange(n, device=x.device)[:, None].expand(n, q)
-            self.k[i][r, :, cols] = ks  # advanced indices first: [n, q, Hk, D]
-            self.v[i][r, :, cols] = vs
-            kc, vc = self.k[i][:n, :, :span], self.v[i][:n, :, :span]
-            g = qs.reshape(n, Hk, self.groups * q, D)  # query row g*q + j: head kv*G + g, token j
-            # a plain softmax(q k^T) v: SDPA's masked kernels spend ~45 us on a one-token query (the H200)
-            scores = torch.matmul(g, kc.transpose(-1, -2)).float().mul_(a.scaling).masked_fill_(~mask, float("-inf"))
-            out = torch.matmul(scores.softmax(-1).to(x.dtype), vc)  # [n, Hk, G*q, D]
-            out = out.view(n, Hq, q, D).transpose(1, 2)
-        return a.o_proj(out.reshape(n, q, Hq * D))
+            self._write_step(i, ks, vs, cols)
+            out = _attend(_fold(qs, self.kv_heads), self.k[i][:n, :, :span], self.v[i][:n, :, :span], mask,
+                          a.scaling, q)
+        return a.o_proj(out)
 
     def _fused_layer(self, i: int, layer, x: torch.Tensor, cos, sin, span: int, cols, mask) -> torch.Tensor:
         """Decoder layer i of a step through the compiled functions (fused_layers): what _attention and the HF MLP
         compute, the cache written between the two halves."""
         a, mlp = layer.self_attn, layer.mlp
         pre, post = fused_layers()
-        n, q = cols.shape
+        n = cols.shape[0]
         w, b = self._qkv[i]
-        qn = (a.q_norm.weight, a.k_norm.weight, a.q_norm.variance_epsilon) if hasattr(a, "q_norm") else None
-        g, ks, vs = pre(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, w, b, qn, cos, sin,
-                        self.heads, self.kv_heads)
-        r = torch.arange(n, device=x.device)[:, None].expand(n, q)
-        self.k[i][r, :, cols] = ks
-        self.v[i][r, :, cols] = vs
+        g, ks, vs = pre(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, w, b,
+                        self._qk_norm(a), cos, sin, self.heads, self.kv_heads)
+        self._write_step(i, ks, vs, cols)
         return post(x, g, self.k[i][:n, :, :span], self.v[i][:n, :, :span], mask, a.scaling, a.o_proj.weight,
                     a.o_proj.bias, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
