@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.extract.generate import Request  # noqa: E402
+from dflash.extract.regenerate import PartOrder  # noqa: E402
 from dflash.extract.slot_engine import SlotEngine  # noqa: E402
 
 
@@ -47,13 +48,14 @@ def main() -> None:
     for window in (int(w) for w in args.windows.split(",")):
         eng = SlotEngine(model, eos_ids=set(), slots=args.slots, max_len=4096, graphs=False, start_len=512,
                          prefill_tokens=1 << 16)
-        queue, opened, t = list(range(len(parts))), -1, time.time()
+        order = PartOrder(args.slots, args.part_size, window_parts=window)
+        queue, t = list(range(len(parts))), time.time()
         while True:
-            while queue and (len(eng.pending) < args.slots or queue[0] // window == opened):
+            while queue and order.wants(queue[0], len(eng.pending)):
                 p = queue.pop(0)
-                opened = p // window
+                order.open(p)
                 for r in parts[p]:
-                    eng.add(Request([1] * lens[r], news[r], key=r, priority=(p // window, -lens[r], r)))
+                    eng.add(Request([1] * lens[r], news[r], key=r, priority=order.priority(p, lens[r], r)))
             if not eng.busy:
                 break
             eng.step()

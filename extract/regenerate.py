@@ -76,10 +76,34 @@ from .regen_out import (  # noqa: F401  (META_NAME, part_name: importable from h
 )
 from .slab import check_attention_only, slab_cache  # noqa: F401  (slab_cache: re-exported as before)
 
-# Batches of prompts per window of parts ordered longest first (_regenerate_parts): simulated with the slot engine
-# (1,024 slots, 16,384 prompts of log-normal lengths, median ~300 tokens), a step's attended columns over the real
-# ones fell from 7.5 (one part at a time) to 2.9 (8 batches); BENCHMARKS.md, "Regeneration"
+# Batches of prompts per window of parts ordered longest first (PartOrder): simulated with the slot engine (1,024
+# slots, 16,384 prompts of log-normal lengths, median ~300 tokens), a step's attended columns over the real ones fell
+# from 7.5 (one part at a time) to 2.9 (8 batches); BENCHMARKS.md, "Regeneration"
 SORT_WINDOW_BATCHES = 8
+
+
+class PartOrder:
+    """The order in which regenerate hands its prompts to the engine: the parts are opened in turn, and the prompts of
+    a window of parts (about SORT_WINDOW_BATCHES batches) go longest first, so that the rows decoding together have
+    similar lengths (a slot-engine step attends over its longest row's columns). A part is written when its window is
+    done, so a kill loses at most a window's answers. bench/slot_schedule.py measures it."""
+
+    def __init__(self, batch_size: int, part_size: int, window_parts: int | None = None):
+        self.batch_size = batch_size
+        self.window = window_parts or max(1, SORT_WINDOW_BATCHES * batch_size // part_size)  # parts
+        self.opened = -1  # the window of the last part opened
+
+    def priority(self, part: int, prompt_len: int, row: int) -> tuple:
+        """An engine Request's priority (smaller first)."""
+        return (part // self.window, -prompt_len, row)
+
+    def wants(self, part: int, pending: int) -> bool:
+        """Whether to open `part` (the next one) with `pending` prompts waiting: every part of a window is open before
+        its prompts are ordered, and the next window's when fewer than a batch wait."""
+        return pending < self.batch_size or part // self.window == self.opened
+
+    def open(self, part: int) -> None:
+        self.opened = part // self.window
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -377,10 +401,7 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         return Continuation(ids[n + m:], cfg.max_new_tokens, rng_key(seed, c.row, c.next + 1))
 
     eng = _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, follow)
-    # Prompts are taken longest first within a window of parts of about SORT_WINDOW_BATCHES batches: the rows decoding
-    # together then have similar lengths, and a step attends over its longest row's columns (SlotEngine). A part is
-    # written when its window is done, so a kill loses at most a window's answers.
-    window = max(1, SORT_WINDOW_BATCHES * eng.batch_size // cfg.part_size)
+    order = PartOrder(eng.batch_size, cfg.part_size)
 
     def submit(p: int, c: Conversation) -> None:
         i = c.turns[c.next]
@@ -388,7 +409,7 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         c.prompt_ids = ids
         eng.add(Request(ids, cfg.max_new_tokens, key=(p, c), rng_key=rng_key(seed, c.row, c.next),
-                        priority=(p // window, -len(ids), c.row)))
+                        priority=order.priority(p, len(ids), c.row)))
 
     # The bar counts the tokens generated; its total is their number estimated as turns end (GeneratedTokens: a bar
     # of the token budget added nothing until the first turns ended, and its first ETA was 18.6x too long; one of
@@ -409,11 +430,9 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         st = parts.pop(p)
         write_part(cfg.out, p, st["convs"], st["stats"])
 
-    opened = [-1]  # the window of the last part opened
-
     def open_part() -> None:
         p = queue.pop(0)
-        opened[0] = p // window
+        order.open(p)
         st = parts[p]
         if not st["convs"]:
             commit(p)
@@ -423,8 +442,7 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
 
     try:
         while True:
-            # every part of a window is open before its prompts are ordered (and the next window when few wait)
-            while queue and (len(eng.pending) < eng.batch_size or queue[0] // window == opened[0]):
+            while queue and order.wants(queue[0], len(eng.pending)):
                 open_part()
             if not eng.busy:
                 break
