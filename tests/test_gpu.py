@@ -146,7 +146,7 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
     from dflash.core.static_decode import StaticDecoder
     from dflash.core.target import load_causal_lm
     from dflash.extract.generate import generate
-    from dflash.train.decode import greedy
+    from dflash.train.decode import NgramProposer, greedy, speculative
     from dflash.train.verify import StaticTarget, Target
 
     _, target, _ = assets
@@ -174,8 +174,12 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
         graph = generate(m, prompts, eos_ids=set(), max_new_tokens=24, batch_size=4, engine="static", **kw)
         assert [r.tokens for r in graph] == [r.tokens for r in eager], kw
     st, ht = StaticTarget(m, [1, 3], max_len=80, block_size=4), Target(m, [1, 3])
+    assert st.prepare() > 2  # every step shape captured before decoding (eval, outside its timings)
+    captured = st.dec.captures
     for p in prompts:
         assert greedy(st, p, 24, set()).tokens == greedy(ht, p, 24, set()).tokens
+        assert speculative(st, NgramProposer(4, 3), p, 24, set()).tokens == greedy(ht, p, 24, set()).tokens
+    assert st.dec.captures == captured
 
 
 def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):

@@ -115,6 +115,54 @@ def test_speculative_decoding_through_the_static_target_equals_the_hf_loop(tiny)
         assert dec.tokens == ref
 
 
+def test_prepare_runs_every_step_shape_a_decode_then_takes(tiny):
+    """StaticTarget.prepare (eval calls it before its timings) runs every step a decode can take, so that the timed
+    decodes capture and compile nothing: the steps of the target alone, DFlash and n-gram lookup over prompts whose
+    decodes cross several span buckets add no shape to what prepare ran."""
+    m = tiny["model"]
+    d = drafter_for(tiny)
+    ps = prompts(tiny)
+    t = StaticTarget(m, LAYERS, max_len=max(len(p) for p in ps) + 40, block_size=BLOCK, graphs=False)
+    t.dec.bucket = 8  # several spans for these short prompts (max_len is a multiple of 8 too)
+    assert t.prepare() == len(t.dec.shapes) == 2 * (t.dec.max_len // 8)
+    ran = set(t.dec.shapes)
+    for p in ps:
+        for prop in (None, DFlashProposer(d, 128), NgramProposer(BLOCK, 3)):
+            greedy(t, p, 40, set()) if prop is None else speculative(t, prop, p, 40, set())
+    assert t.dec.shapes == ran and len({span for _, _, span, _ in ran}) > 2
+    assert t.prepare() == 0
+
+
+@pytest.mark.cxx
+def test_the_fused_layers_serve_every_decoder_of_a_process_with_a_few_variants(tmp_path):
+    """fused_layers' compiled functions are shared by every StaticDecoder of a process: steps of one row or several,
+    of one token or a block, at every span bucket, of decoders of other sizes and lengths, compile a handful of
+    variants, and a decoder of a new size and length (a new eval's target) compiles none. torch stops a function at
+    8 variants by default; before the shapes were symbolic and the cache's layout one, the GPU recipe's eval hit it
+    (each span, each decoder length was a variant of its own)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as entries
+
+    from dflash.core import static_decode as sd
+
+    m = load_causal_lm(make_tiny_target(tmp_path / "t", arch="llama", num_layers=2)).eval()
+    V = m.config.vocab_size
+    post = sd._layer_post.__code__
+
+    def decode_everything(slots: int, max_len: int) -> None:
+        dec = StaticDecoder(m, slots=slots, max_len=max_len, bucket=32, graphs=False, fused=True)
+        for n in sorted({1, slots}):
+            for q in (1, 8):
+                for end in range(q + 1, dec.max_len + 1, 29):
+                    dec.step(torch.randint(3, V, (n, q)), torch.full((n,), end - q), end)
+
+    decode_everything(1, 100)
+    decode_everything(3, 230)  # several rows in a larger decoder
+    before = len(entries(post))
+    decode_everything(1, 170)  # a new length: no new variant
+    decode_everything(3, 300)
+    assert len(entries(post)) == before
+
+
 def test_unsupported_models_are_named(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 

@@ -145,14 +145,15 @@ class StaticTarget:
     max_len bounds prompt + generated + one block; block_size: the verify length drafts are padded to (n-gram
     lookup drafts fewer than B-1 tokens at times; a padded block costs a memory-bound target the same)."""
 
-    def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True):
+    def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True,
+                 fused: bool | None = None):
         from dflash.core.static_decode import StaticDecoder
 
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = int(block_size)
         self.dec = StaticDecoder(model, slots=1, max_len=max_len + self.block_size, layer_ids=layer_ids,
-                                 graphs=graphs, max_q=max(1, self.block_size))
+                                 graphs=graphs, max_q=max(1, self.block_size), fused=fused)
         self.attention = "static-graph" if self.dec.graphs_on else "static"
         self.capture = bool(layer_ids)
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -161,6 +162,12 @@ class StaticTarget:
 
     def reset(self):
         pass
+
+    def prepare(self) -> int:
+        """Capture now every step this target can take (the 1-token step and the block's verify at every span
+        bucket: StaticDecoder.prepare), so that decoding after it captures and compiles nothing. Returns how many
+        shapes it ran."""
+        return self.dec.prepare(1, sorted({1, self.block_size}))
 
     def crop(self, length: int) -> None:
         pass  # positions past the confirmed length are never attended to

@@ -11,17 +11,18 @@ step is captured once as a CUDA graph and replayed as one launch:
     and values are written at columns start..start+q-1, and query j of a row sees the columns <= start + j of its
     own slot. Columns past that are never read, so nothing needs cropping: a rejected draft is simply overwritten;
   * the step attends over the first S columns only, S a multiple of `bucket`: one graph per (n, q, S), captured on
-    first use and replayed after. Its attention is a plain softmax(q k^T) v with grouped query heads folded onto
-    their KV head ([n, Hkv, G*q, D] against [n, Hkv, S, D]), so the cache is read in place, never repeated per
-    head (SDPA's masked kernels took ~45 us a layer for a one-token query on the H200);
+    first use (or all beforehand: prepare) and replayed after. Its attention is a plain softmax(q k^T) v with
+    grouped query heads folded onto their KV head ([n, Hkv, G*q, D] against [n, Hkv, S, D]), so the cache is read
+    in place, never repeated per head (SDPA's masked kernels took ~45 us a layer for a one-token query on the H200);
   * a step is bound by its kernel count, not by bytes: q, k and v come from one matmul (the three projections
     stacked once, a copy of those weights), the rotary embedding of q and k is applied at once (rotate_half's sign
     folded into the sin table) and the norms use torch's rms_norm (bench/decode.py, BENCHMARKS.md "Decoding at
     serving speed");
   * on a GPU each layer of a step runs as two compiled functions (fused_layers: everything before the cache write,
     everything after), the norms, rotary, softmax, residuals and gated MLP's pointwise work fused by inductor: ~10
-    kernels a layer instead of ~33 (1.41 against 2.52 ms a recipe step at batch 1); the weights are arguments, so
-    one compiled pair serves every layer, and their shapes turn dynamic at their first change;
+    kernels a layer instead of ~33 (1.41 against 2.52 ms a recipe step at batch 1); the weights are arguments and
+    the shapes symbolic, so one compiled pair serves every layer, bucket and decoder of a process (a handful of
+    variants: one row or several, one token or several, the dtype; FUSED_RECOMPILE_LIMIT bounds them);
   * prefill (a new row's prompt, any length) runs the same layers eagerly, causal within the prompt, and writes the
     prompt's keys and values into the row's slot.
 
@@ -126,28 +127,49 @@ def _attend(g, kc, vc, mask, scaling: float, q: int):
 def _layer_pre(x, ln_w, eps: float, qkv_w, qkv_b, qk_norm, cos, sin, heads: int, kv_heads: int):
     """A step's layer up to its cache write: the norm, then _project. Returns (the queries folded, keys, values)."""
     qs, ks, vs = _project(_rms(x, ln_w, eps), qkv_w, qkv_b, qk_norm, cos, sin, heads, kv_heads)
-    return _fold(qs, kv_heads), ks, vs
+    return _fold(qs, kv_heads).clone(memory_format=torch.contiguous_format), ks, vs
 
 
-def _layer_post(x, g, kc, vc, mask, scaling: float, o_w, o_b, ln_w, eps: float, gate_w, up_w, down_w):
-    """A step's layer after its cache write: _attend, the output projection, the residual, the gated MLP and its
-    residual."""
-    x = x + torch.nn.functional.linear(_attend(g, kc, vc, mask, scaling, x.shape[1]), o_w, o_b)
+def _layer_post(x, g, k, v, mask, scaling: float, o_w, o_b, ln_w, eps: float, gate_w, up_w, down_w):
+    """A step's layer after its cache write: _attend over the first mask.shape[-1] columns of the rows' caches k, v
+    (the layer's whole buffers [slots, Hkv, max_len + 1, D]: sliced here, so that a step's inputs have the same layout
+    whatever its span), the output projection, the residual, the gated MLP and its residual."""
+    n, span = x.shape[0], mask.shape[-1]
+    x = x + torch.nn.functional.linear(_attend(g, k[:n, :, :span], v[:n, :, :span], mask, scaling, x.shape[1]),
+                                       o_w, o_b)
     h = _rms(x, ln_w, eps)
     act = torch.nn.functional.silu(torch.nn.functional.linear(h, gate_w)) * torch.nn.functional.linear(h, up_w)
     return x + torch.nn.functional.linear(act, down_w)
 
 
 _FUSED = None
+# The compiled variants fused_layers may hold per function in one process. Its shapes are symbolic from the first
+# call, so a variant is one of: one row or several, one token or several, one slot or several, per dtype (and per
+# kind of model: q/k norms, biases): a process that regenerates, then evaluates in bf16 and float32 (the GPU recipe)
+# needs ~12, past torch's default of 8 (which stopped the recipe's eval). A variant compiles once, before the
+# steps that use it are captured.
+FUSED_RECOMPILE_LIMIT = 64
+
+
+def _limited(fn):
+    """fn called with torch's recompile limit raised to FUSED_RECOMPILE_LIMIT for its own compilations only (the
+    rest of the process keeps its limit). The patch runs where fn is called eagerly; a captured step replays
+    without it."""
+    import torch._dynamo
+
+    def call(*args):
+        with torch._dynamo.config.patch(recompile_limit=FUSED_RECOMPILE_LIMIT):
+            return fn(*args)
+    return call
 
 
 def fused_layers():
     """(pre, post): _layer_pre and _layer_post through torch.compile, built once per process. The weights are
-    arguments, so one compiled graph serves every layer; shapes (rows, tokens, columns) become dynamic at their
-    first change, so a bucket or batch size more does not compile again."""
+    arguments, so one compiled graph serves every layer; the shapes (rows, tokens, columns, positions) are
+    symbolic, so no bucket, batch size or decoder size compiles again (FUSED_RECOMPILE_LIMIT)."""
     global _FUSED
     if _FUSED is None:
-        _FUSED = (torch.compile(_layer_pre, fullgraph=True), torch.compile(_layer_post, fullgraph=True))
+        _FUSED = tuple(_limited(torch.compile(f, fullgraph=True, dynamic=True)) for f in (_layer_pre, _layer_post))
     return _FUSED
 
 
@@ -177,9 +199,7 @@ class StaticDecoder:
         self.groups = self.heads // self.kv_heads
         self.slots, self.bucket = int(slots), int(bucket)
         self.max_len = -(-int(max_len) // self.bucket) * self.bucket
-        shape = (self.slots, self.kv_heads, self.max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.k, self.v = self._buffers(), self._buffers()
         L = len(self.layers)
         self.layer_ids = list(layer_ids or [])
         self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
@@ -201,6 +221,14 @@ class StaticDecoder:
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
         self._start = torch.zeros(self.slots, dtype=torch.long, device=self.device)
         self.captures = 0
+        self.shapes: set[tuple[int, int, int, bool]] = set()  # the (n, q, span, all logits) steps run so far
+
+    def _buffers(self) -> list[torch.Tensor]:
+        """Per layer, a cache buffer [slots, Hkv, max_len + 1, D]. The column past max_len is never written nor
+        read: a step's span is then always a strict slice of the buffer, so the compiled layers see one layout
+        whether or not the span reaches max_len (else each case is a variant of its own)."""
+        shape = (self.slots, self.kv_heads, self.max_len + 1, self.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
 
     def _tables(self) -> None:
         """cos/sin of every position [max_len, D], as the HF rotary module computes them, and the column ids."""
@@ -223,9 +251,9 @@ class StaticDecoder:
         if new <= self.max_len:
             return
         for buf in (self.k, self.v):
-            for i, old in enumerate(buf):
-                t = old.new_zeros(old.shape[:2] + (new, old.shape[3]))
-                t[:, :, :self.max_len] = old
+            for i, old in enumerate(buf):  # one layer at a time: the old buffer goes before the next one grows
+                t = old.new_zeros(old.shape[:2] + (new + 1, old.shape[3]))  # _buffers' layout
+                t[:, :, :self.max_len] = old[:, :, :self.max_len]
                 buf[i] = t
         self.max_len = new
         self._tables()
@@ -277,13 +305,12 @@ class StaticDecoder:
         compute, the cache written between the two halves."""
         a, mlp = layer.self_attn, layer.mlp
         pre, post = fused_layers()
-        n = cols.shape[0]
         w, b = self._qkv[i]
         g, ks, vs = pre(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, w, b,
                         self._qk_norm(a), cos, sin, self.heads, self.kv_heads)
         self._write_step(i, ks, vs, cols)
-        return post(x, g, self.k[i][:n, :, :span], self.v[i][:n, :, :span], mask, a.scaling, a.o_proj.weight,
-                    a.o_proj.bias, layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
+        return post(x, g, self.k[i], self.v[i], mask, a.scaling, a.o_proj.weight, a.o_proj.bias,
+                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
                     mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
 
     def _forward(self, ids, rows, start, span, keep):
@@ -346,6 +373,7 @@ class StaticDecoder:
         if end > self.max_len:
             raise ValueError(f"a step up to position {end} does not fit the decoder's {self.max_len} positions")
         span = self.span_for(end)
+        self.shapes.add((n, q, span, all_logits))
         if not self.graphs_on:
             return self._forward(ids, None, start, span, None if all_logits else start.new_full((n,), q - 1))
         if q > self._ids.shape[1]:
@@ -357,6 +385,23 @@ class StaticDecoder:
             g = self._capture(n, q, span, all_logits)
         g[0].replay()
         return g[1], g[2]
+
+    @torch.inference_mode()
+    def prepare(self, n: int, qs: list[int], all_logits: bool = True) -> int:
+        """Run once every step shape that n rows of q tokens (each q in qs) can take, one per span bucket up to
+        max_len: on a GPU each is captured (and the fused layers compiled) now, not on first use, so a timed
+        decode after it captures and compiles nothing (eval: else the first method to reach a longer span pays its
+        capture). The steps write their keys and values into columns of rows 0..n-1: call it before those rows
+        hold anything. Returns the number of shapes run."""
+        count = 0
+        for span in range(self.bucket, self.max_len + 1, self.bucket):
+            for q in qs:
+                if q > span or (n, q, span, all_logits) in self.shapes:
+                    continue
+                ids = torch.zeros((n, q), dtype=torch.long, device=self.device)
+                self.step(ids, torch.full((n,), span - q, dtype=torch.long, device=self.device), span, all_logits)
+                count += 1
+        return count
 
     def _capture(self, n: int, q: int, span: int, all_logits: bool):
         """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers: the
