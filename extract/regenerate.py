@@ -403,10 +403,13 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
     eng = _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, follow)
     order = PartOrder(eng.batch_size, cfg.part_size)
 
-    def submit(p: int, c: Conversation) -> None:
-        i = c.turns[c.next]
-        text = chat.render(c.messages[:i], True, f"{cfg.data}, row {c.row}")
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    def prompt_text(c: Conversation) -> str:
+        return chat.render(c.messages[:c.turns[c.next]], True, f"{cfg.data}, row {c.row}")
+
+    def submit(p: int, c: Conversation, ids: list[int] | None = None) -> None:
+        """The conversation's next turn to the engine; ids: its prompt already tokenised (open_part), else here."""
+        if ids is None:
+            ids = tokenizer(prompt_text(c), add_special_tokens=False)["input_ids"]
         c.prompt_ids = ids
         eng.add(Request(ids, cfg.max_new_tokens, key=(p, c), rng_key=rng_key(seed, c.row, c.next),
                         priority=order.priority(p, len(ids), c.row)))
@@ -437,8 +440,11 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
         if not st["convs"]:
             commit(p)
             return
-        for c in st["convs"]:
-            submit(p, c)
+        # a part's prompts tokenised in one call: the same ids, 0.18 against 0.44 ms a prompt one by one (2 CPU
+        # cores; ~35 s of the GPU recipe's 111 s of generation, the GPU idle meanwhile)
+        ids = tokenizer([prompt_text(c) for c in st["convs"]], add_special_tokens=False)["input_ids"]
+        for c, i in zip(st["convs"], ids):
+            submit(p, c, i)
 
     try:
         while True:
