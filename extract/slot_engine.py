@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from dflash.core.static_decode import StaticDecoder, unsupported
@@ -93,7 +94,14 @@ class SlotEngine:
         self.pending: list[tuple[tuple, int, Request]] = []
         self._seq = 0
         self.slot_rows: list[_Row | None] = [None] * self.batch_size
-        self.pos = [0] * self.batch_size  # per slot: position of its newest token (= tokens in its cache)
+        # per slot, as arrays (a step's bookkeeping over ~1,000 rows in a few numpy calls, not Python loops: the GPU
+        # waits for it): the position of its newest token (= tokens in its cache), busy, and the tokens its turn may
+        # still generate (end_of_turn ends it at 1)
+        self.pos = np.zeros(self.batch_size, dtype=np.int64)
+        self._busy = np.zeros(self.batch_size, dtype=bool)
+        self._left = np.zeros(self.batch_size, dtype=np.int64)
+        self._eos = np.array(sorted(self.eos), dtype=np.int64)
+        self._forcing: set[int] = set()  # slots whose row may still have continuation ids to feed
         self.last = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self._start = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self.overflow = Engine(model, eos_ids=self.eos, batch_size=MIN_BATCH, max_batch_tokens=overflow_tokens,
@@ -120,7 +128,7 @@ class SlotEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.pending or any(r is not None for r in self.slot_rows) or self.overflow.busy)
+        return bool(self.pending or self._busy.any() or self.overflow.busy)
 
     @property
     def graphs(self) -> int:
@@ -142,13 +150,13 @@ class SlotEngine:
 
     def step(self) -> list[Result]:
         done: list[Result] = []
-        free = [i for i, r in enumerate(self.slot_rows) if r is None]
+        free = np.flatnonzero(~self._busy).tolist()
         busy = self.batch_size - len(free)
         if self.pending and free and (busy == 0 or len(free) >= self.refill):
             t = time.perf_counter()
             done += self._admit(free)
             self.seconds["prefill"] += time.perf_counter() - t
-        if any(r is not None for r in self.slot_rows):
+        if self._busy.any():
             t = time.perf_counter()
             done += self._decode()
             self.seconds["decode"] += time.perf_counter() - t
@@ -193,14 +201,16 @@ class SlotEngine:
             for s, row in zip(slots, rows):
                 self.slot_rows[s] = row
                 self.pos[s] = len(row.req.prompt)
+                self._left[s] = row.req.max_new_tokens
+            self._busy[slots] = True
             self.prefills += 1
             self.prompt_tokens += int(lengths.sum())
             self.prefill_columns += len(chosen) * width
-            done += self._emit(dict(zip(slots, first.tolist())), fed=set())
+            done += self._emit(slots, first.tolist(), fed=set())
         return done
 
     def _width(self) -> int:
-        top = max(i for i, r in enumerate(self.slot_rows) if r is not None) + 1
+        top = int(np.flatnonzero(self._busy)[-1]) + 1
         n = MIN_BATCH
         while n < top:
             n *= 2
@@ -211,43 +221,63 @@ class SlotEngine:
         if not self.pending:
             self._compact()
         n = self._width()
-        live = [i for i in range(n) if self.slot_rows[i] is not None]
-        end = max(self.pos[i] for i in live) + 1
-        self._start[:n].copy_(torch.tensor(self.pos[:n]), non_blocking=True)
+        live = np.flatnonzero(self._busy[:n])
+        end = int(self.pos[live].max()) + 1
+        self._start[:n].copy_(torch.from_numpy(self.pos[:n]), non_blocking=True)
         with decode_sdpa():
             logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end)
         span = self.dec.span_for(end)
         self.decode_columns += n * span
-        self._decode_real += sum(self.pos[i] + 1 for i in live)
+        self._decode_real += int(self.pos[live].sum()) + len(live)
         self.last[:n] = self._sample(logits[:, 0].float(), self.slot_rows[:n])
         self.steps += 1
-        for i in live:
-            self.pos[i] += 1
-        fed = {i for i in live if self.slot_rows[i].forced and not self.slot_rows[i].done}
+        self.pos[live] += 1
+        fed = set()
+        for i in sorted(self._forcing):
+            row = self.slot_rows[i]
+            if row is None or not row.forced:
+                self._forcing.discard(i)
+            elif i < n and not row.done:
+                fed.add(i)
         if fed:
             idx = sorted(fed)
             self.last[idx] = torch.tensor([self.slot_rows[i].forced.popleft() for i in idx], device=self.device)
         tokens = self.last[:n].tolist()
-        return self._emit({i: tokens[i] for i in live}, fed)
+        return self._emit(live.tolist(), [tokens[i] for i in live.tolist()], fed)
 
-    def _emit(self, tokens: dict[int, int], fed: set[int]) -> list[Result]:
-        """Append each busy slot's token (but those fed a continuation id) and return the finished rows' Results;
-        a finished row's slot is freed at once unless follow() continues it there."""
+    def _emit(self, slots: list[int], tokens: list[int], fed: set[int]) -> list[Result]:
+        """Append each busy slot's token (slots[j] gets tokens[j], slots ascending; but those fed a continuation id)
+        and return the finished rows' Results; a finished row's slot is freed at once unless follow() continues it
+        there. A token that ends no turn is only appended (the arrays say which do: an end id, or the turn's last)."""
         done = []
         inputs: dict[int, int] = {}
-        for s, t in tokens.items():
-            row = self.slot_rows[s]
-            if row is None or s in fed:
-                continue
+        idx = np.asarray(slots, dtype=np.int64)
+        ends = self._left[idx] <= 1
+        if len(self._eos):
+            ends |= np.isin(np.asarray(tokens, dtype=np.int64), self._eos)
+        rows = self.slot_rows
+        if fed:
+            keep = np.array([s not in fed for s in slots], dtype=bool)
+            ends &= keep
+            going = np.flatnonzero(keep & ~ends)
+        else:
+            going = np.flatnonzero(~ends)
+        for j in going.tolist():
+            rows[slots[j]].out.append(tokens[j])
+        self._left[idx[going]] -= 1
+        self.generated += len(going)
+        for j in np.flatnonzero(ends).tolist():
+            s, row = slots[j], rows[slots[j]]
             self.generated += 1
-            res = end_of_turn(row, t, self.eos)
-            if res is not None:
-                done.append(res)
-                cont = self.follow(res) if self.follow is not None else None
-                if cont is not None and self._goes_on(s, row, res, cont, inputs):
-                    continue
-                self.slot_rows[s] = None
-                self.pos[s] = 0
+            res = end_of_turn(row, tokens[j], self.eos)
+            assert res is not None, "end_of_turn and the slot arrays disagree"
+            done.append(res)
+            cont = self.follow(res) if self.follow is not None else None
+            if cont is not None and self._goes_on(s, row, res, cont, inputs):
+                continue
+            self.slot_rows[s] = None
+            self.pos[s] = 0
+            self._busy[s] = False
         if inputs:
             idx = list(inputs)
             self.last[idx] = torch.tensor([inputs[i] for i in idx], device=self.device)
@@ -263,6 +293,8 @@ class SlotEngine:
             return False
         self._fit(need)
         first = continue_row(row, res, cont)
+        self._left[s] = row.req.max_new_tokens
+        self._forcing.add(s)
         if first is not None:
             inputs[s] = first
         self.continued += 1
@@ -286,7 +318,7 @@ class SlotEngine:
         """With no prompt waiting: move the highest busy rows into the lowest free slots while the busy rows fit
         half of the current step's batch, so the tail of a run decodes fewer rows."""
         n = self._width()
-        busy = [i for i in range(self.batch_size) if self.slot_rows[i] is not None]
+        busy = np.flatnonzero(self._busy).tolist()
         if n <= MIN_BATCH or len(busy) > n // 2:
             return
         target = n // 2
@@ -301,6 +333,11 @@ class SlotEngine:
         for a, b in zip(src, dst):
             self.slot_rows[b], self.slot_rows[a] = self.slot_rows[a], None
             self.pos[b], self.pos[a] = self.pos[a], 0
+            self._left[b], self._left[a] = self._left[a], 0
+            self._busy[b], self._busy[a] = True, False
+            if a in self._forcing:
+                self._forcing.discard(a)
+                self._forcing.add(b)
         self.compactions += 1
         self.copied_columns += len(src) * self.dec.max_len
         self.seconds["batch_edit"] += time.perf_counter() - t
