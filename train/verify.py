@@ -145,15 +145,14 @@ class StaticTarget:
     max_len bounds prompt + generated + one block; block_size: the verify length drafts are padded to (n-gram
     lookup drafts fewer than B-1 tokens at times; a padded block costs a memory-bound target the same)."""
 
-    def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True,
-                 fused: bool | None = None):
+    def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True):
         from dflash.core.static_decode import StaticDecoder
 
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = int(block_size)
         self.dec = StaticDecoder(model, slots=1, max_len=max_len + self.block_size, layer_ids=layer_ids,
-                                 graphs=graphs, max_q=max(1, self.block_size), fused=fused)
+                                 graphs=graphs, max_q=max(1, self.block_size))
         self.attention = "static-graph" if self.dec.graphs_on else "static"
         self.capture = bool(layer_ids)
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)
