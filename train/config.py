@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.core.config import check, finite
+from dflash.core.config import ConfigError, check, finite
 from dflash.core.errors import DflashError
 
 
@@ -45,6 +45,10 @@ class TrainConfig:
     grad_accum: int = 1
     max_steps: int | None = None
     epochs: float | None = None
+    # train/time_budget.py: the steps chosen so that training takes about this many seconds (max_steps / epochs then
+    # give only the provisional total, before the decision), from the step time over `time_budget_probe` steps
+    time_budget_s: float | None = None
+    time_budget_probe: int = 50
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
     warmup_ratio: float = 0.04
@@ -119,6 +123,10 @@ class TrainConfig:
         check(self.epochs is None or (finite(self.epochs) and self.epochs > 0), "epochs",
               f"must be a finite number > 0, got {self.epochs}")
         check(not (self.max_steps and self.epochs), "max_steps", "and --epochs are exclusive: give one")
+        if self.time_budget_s is not None and not (finite(self.time_budget_s) and self.time_budget_s > 0):
+            raise ConfigError(f"--time-budget must be a training time > 0 (seconds), got {self.time_budget_s}",
+                              "time_budget_s")
+        check(self.time_budget_probe >= 1, "time_budget_probe", f"must be >= 1 (steps), got {self.time_budget_probe}")
         check(finite(self.lr) and self.lr > 0, "lr", f"must be a finite number > 0, got {self.lr}")
         check(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
