@@ -640,9 +640,10 @@ def check(drafter):
 @click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
 @click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
 @click.option("--compare", type=click.Choice(["dflash2"]),
-              help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden), with "
-                   "the same schedule and steps (both: the preset's compare_max_steps), evaluate both the same way and "
-                   "put them side by side in the summary (tau in source and on MT-Bench, over n-gram's, speed-ups, "
+              help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden) for "
+                   "the same training time (DFlash trains the preset's steps; DFlash2 trains with --time-budget = "
+                   "DFlash's training time, so it gets the steps that time buys), evaluate both the same way and put "
+                   "them side by side in the summary (tau in source and on MT-Bench, over n-gram's, speed-ups, steps, "
                    "training times).  [default workdir: work/demo-gpu-dflash2]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
