@@ -17,6 +17,7 @@ tiny random target and a tiny copy of the preset:
 """
 
 import json
+import math
 import statistics
 
 import pytest
@@ -42,7 +43,7 @@ def budget_steps(run) -> tuple[dict, int]:
     5 steps, else the budget over the measured step time."""
     rec = json.loads((run / "run.json").read_text())["time_budget"]
     assert rec["probe_steps"][1] - rec["probe_steps"][0] == 1
-    assert rec["total_steps"] == max(rec["probe_steps"][1], int(rec["budget_s"] // rec["step_s"]))
+    assert rec["total_steps"] == max(rec["probe_steps"][1], math.floor(rec["budget_s"] / rec["step_s"]))
     return rec, rec["total_steps"]
 
 

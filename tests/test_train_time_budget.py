@@ -65,6 +65,15 @@ def test_the_steps_are_decided_from_the_measured_step_time_and_the_schedule_foll
         assert r["lr"] == pytest.approx(want, rel=1e-12), r["step"]
     assert any(lr_at(k, provisional, cfg) != lr_at(k, total, cfg) for k in range(8, total))  # two schedules
 
+    # another budget for the finished run: decided again from the recorded step time (no probe), and trained on
+    out = ok(*base(env, run, "--time-budget", 2 * budget, "--time-budget-probe", 5, "--log-every", 1, "--save-every",
+                   100, "--lr", lr, "--warmup-ratio", warm))
+    again = read_json(run / "run.json")["time_budget"]
+    assert again == dict(rec, budget_s=2 * budget, total_steps=math.floor(2 * budget / rec["step_s"]))
+    assert "decided 1.6 s before; --time-budget 3.2 s:" in out and "ms a step over steps 4-8" in out
+    s = read_json(run / "summary.json")
+    assert s["steps"] == again["total_steps"] > total and s["steps_this_run"] == again["total_steps"] - total
+
 
 def test_a_budget_spent_within_the_probe_ends_the_run_at_the_decision(env, tmp_path, monkeypatch):
     slow_steps(monkeypatch, 0.03)

@@ -81,8 +81,8 @@ def write_record(out: str, rec: dict[str, Any]) -> None:
 
 
 def steps_for(budget_s: float, step_s: float, done: int) -> int:
-    """The total that fills budget_s at step_s a step, never fewer than the steps already done."""
-    return max(done, int(budget_s // step_s))
+    """The total that fills budget_s at step_s a step, never fewer than the steps already done (nor than 1)."""
+    return max(done, 1, math.floor(budget_s / step_s))
 
 
 def describe(rec: dict[str, Any]) -> str:
@@ -93,7 +93,7 @@ def describe(rec: dict[str, Any]) -> str:
 
 class TimeBudget:
     """The decision of one run (module docstring): `record` once decided (or recorded), else None while the probe
-    runs. `excluded()` gives the seconds so far that are not training time (validations, --follow waits)."""
+    runs. The Trainer calls resume (after check_run_dir), start (before its loop) and after_step (after each step)."""
 
     def __init__(self, budget_s: float, probe: int, out: str, is_main: bool):
         self.budget_s, self.probe, self.out, self.is_main = budget_s, probe, out, is_main
@@ -115,10 +115,10 @@ class TimeBudget:
             was = rec["budget_s"]
             rec = dict(rec, budget_s=self.budget_s, total_steps=steps_for(self.budget_s, rec["step_s"], 0))
             print0(f"train: note: {self.out} decided {was:g} s before; {describe(rec)} from its recorded step time")
-            if self.is_main:
-                write_record(self.out, rec)
         else:
             print0(f"train: {describe(rec)} (decided before, {self.out}/run.json)")
+        if self.is_main:  # (check_run_dir wrote the provisional total into run.json's config)
+            write_record(self.out, rec)
         self.record = rec
         return rec["total_steps"]
 
