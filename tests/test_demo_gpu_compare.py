@@ -307,3 +307,11 @@ def test_the_verdict_says_how_much_slower_and_which_models_ran_as_graphs(compare
     row = next(ln for ln in out.splitlines() if ln.startswith("CUDA graphs"))
     assert row.split()[-4:] == ["target", "+", "drafter", "target"]  # dflash: both; dflash2: the target only
     assert "dflash2's training time 1.62x dflash's: not equal (within 10%); its step 60% slower" in out
+    # a summary written before equal training time (same steps, no budget, no train_s_all) still reads
+    for t in c["train"].values():
+        del t["train_s_all"], t["time_budget"]
+    c["time_budget"] = None
+    out = format_compare(c)
+    assert "both drafters 8 steps (fewer than the recipe's 10: compare_max_steps)" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("training time"))
+    assert row.split()[-2:] == [f"{c['train']['dflash2']['train_s']:.1f}", "s"]

@@ -185,9 +185,10 @@ def format_compare(c: dict[str, Any]) -> str:
         return [num(ev[n].get(key), fmt) for n in names]
 
     tr = c["train"]
+    trained = [tr[n].get("train_s_all", tr[n]["train_s"]) for n in names]  # (train_s: a summary from before it)
     rows = [("", *names),
             ("training steps", *[str(tr[n]["steps"]) for n in names]),
-            ("training time (less compile, validation, waits)", *[num(tr[n]["train_s_all"], "{:.1f} s") for n in names]),
+            ("training time (less compile, validation, waits)", *[num(t, "{:.1f} s") for t in trained]),
             ("time budget (--time-budget)", *[num((tr[n].get("time_budget") or {}).get("budget_s"), "{:.1f} s")
                                               for n in names]),
             ("step (median logged window)", *[num(tr[n]["step_ms_median_window"], "{:.1f} ms") for n in names]),
