@@ -340,9 +340,9 @@ def train(preset, gpus, no_progress, **flags):
 
 
 def check_time_budget(flags: dict) -> None:
-    """--time-budget as seconds (train/time_budget.py parse_duration); beside a --max-steps or --epochs flag, which
+    """--time-budget as seconds (train/config.py parse_duration); beside a --max-steps or --epochs flag, which
     would also set the run's steps, one error line naming both."""
-    from dflash.train.time_budget import parse_duration
+    from dflash.train.config import parse_duration
 
     flags["time_budget_s"] = parse_duration(flags.get("time_budget_s"))
     other = next((k for k in ("max_steps", "epochs") if flags.get(k) is not None), None)

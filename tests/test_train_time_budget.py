@@ -12,14 +12,14 @@
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import time
 
 import pytest
 
-from dflash.train.time_budget import parse_duration, read_record
+from dflash.train.config import parse_duration
+from dflash.train.time_budget import read_record
 from dflash.train.trainer import TrainConfig, lr_at
 from tests.test_train import PY, REPO, _env, assert_clean_error, base, cli, env, kill_when, latest_step  # noqa: F401
 from tests.test_train import logged_steps, metrics, ok, read_json
@@ -143,10 +143,13 @@ def test_bad_budgets_are_refused_naming_the_flag(env, tmp_path):
     code, _, err = cli(*base(env, out, "--time-budget", 60, "--time-budget-probe", 0))
     assert_clean_error(code, err, "--time-budget-probe", "got 0")
     preset = tmp_path / "p.yaml"
-    preset.write_text("train:\n  time_budget_s: -1\n")
-    code, _, err = cli(*base(env, out, "--config", preset))
-    assert_clean_error(code, err, "--time-budget", "got -1", f"set by --config {preset}")
+    for bad in ("-1", "'10 min'"):
+        preset.write_text(f"train:\n  time_budget_s: {bad}\n")
+        code, _, err = cli(*base(env, out, "--config", preset))
+        assert_clean_error(code, err, "--time-budget", f"got {'-1' if bad == '-1' else repr('10 min')}",
+                           f"set by --config {preset}")
     assert not out.exists()  # nothing was created for a refused run
     with pytest.raises(Exception, match="--time-budget"):
         TrainConfig(cache="c", target="t", out="o", time_budget_s=0.0)
-    assert json.loads(json.dumps(parse_duration("1e3"))) == 1000.0
+    assert TrainConfig(cache="c", target="t", out="o", time_budget_s="90m").time_budget_s == 5400.0  # a preset's too
+    assert parse_duration("1e3") == parse_duration(1000) == 1000.0

@@ -24,8 +24,9 @@ How (TimeBudget, driven by the Trainer):
     trains the steps --max-steps / --epochs give;
   * the learning-rate schedule lr_at(step, total) follows the decided total from the next step on.
 
-The CLI refuses --time-budget beside a --max-steps or --epochs flag (each would claim to set the steps); a preset's
-max_steps / epochs stay the provisional total.
+SECONDS is a number of seconds, or one with s, m or h (train/config.py parse_duration: `90m`, `2h`), as a flag or in
+a preset (time_budget_s). The CLI refuses --time-budget beside a --max-steps or --epochs flag (each would claim to
+set the steps); a preset's max_steps / epochs stay the provisional total.
 """
 
 from __future__ import annotations
@@ -33,30 +34,14 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import time
 from typing import Any, Callable
 
-from dflash.core.config import ConfigError
 from dflash.core.dist import atomic_json, print0
 
 # steps of a process before its probe: the first compiled call (step 1), the CUDA graphs' recording and first replay
 WARMUP_STEPS = 3
 RECORD_KEY = "time_budget"  # in RUN/run.json
-UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def parse_duration(text: str | float | None, name: str = "time_budget") -> float | None:
-    """Seconds from `300`, `300s`, `90m`, `1.5h` (None stays None); anything else, or a value <= 0, is a ConfigError
-    naming --time-budget."""
-    if text is None:
-        return None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([smh]?)\s*", str(text))
-    seconds = float(m.group(1)) * UNITS[m.group(2)] if m else None
-    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
-        raise ConfigError(f"--{name.replace('_', '-')} expects a training time > 0: seconds, or a number with s, m or h "
-                          f"(300, 90m, 2h), got {text!r}", "time_budget_s")
-    return seconds
 
 
 def read_record(out: str) -> dict[str, Any] | None:
