@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import time
@@ -114,6 +115,17 @@ def test_a_resume_keeps_the_decided_total_and_one_before_the_decision_measures_a
     before = (run / "summary.json").read_bytes()
     assert "nothing to do" in ok(*base(env, run, *args))
     assert (run / "summary.json").read_bytes() == before
+
+
+def test_a_damaged_record_is_no_decision(tmp_path):
+    good = {"budget_s": 60.0, "step_s": 0.15, "probe_steps": [4, 53], "total_steps": 400}
+    for rec, whole in ((good, True), (dict(good, step_s=0), False), (dict(good, total_steps="400"), False),
+                       (dict(good, probe_steps=[4]), False), ({k: v for k, v in good.items() if k != "budget_s"}, False),
+                       ("400 steps", False)):
+        (tmp_path / "run.json").write_text(json.dumps({"dflash": "train", "config": {}, "time_budget": rec}))
+        assert (read_record(str(tmp_path)) == rec) == whole and (read_record(str(tmp_path)) is None) != whole
+    (tmp_path / "run.json").write_text('{"dflash": "train", "conf')  # cut short
+    assert read_record(str(tmp_path)) is None
 
 
 def test_ranks_under_torchrun_decide_one_total(env, tmp_path):

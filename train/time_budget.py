@@ -45,14 +45,21 @@ RECORD_KEY = "time_budget"  # in RUN/run.json
 
 
 def read_record(out: str) -> dict[str, Any] | None:
-    """The decision recorded in RUN/run.json, or None (none yet, or no readable run.json)."""
+    """The decision recorded in RUN/run.json, or None (none yet, no readable run.json, or a record not whole)."""
     try:
         with open(os.path.join(out, "run.json")) as f:
             rec = json.load(f).get(RECORD_KEY)
     except (OSError, ValueError, AttributeError):
         return None
-    ok = isinstance(rec, dict) and all(isinstance(rec.get(k), (int, float)) for k in ("budget_s", "step_s", "total_steps"))
-    return rec if ok else None
+
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
+
+    probe = rec.get("probe_steps") if isinstance(rec, dict) else None
+    ok = (isinstance(rec, dict) and number(rec.get("budget_s")) and number(rec.get("step_s"))
+          and isinstance(rec.get("total_steps"), int) and number(rec["total_steps"])
+          and isinstance(probe, list) and len(probe) == 2 and all(isinstance(k, int) for k in probe))
+    return rec if ok else None  # a damaged record is no decision: the run measures again
 
 
 def write_record(out: str, rec: dict[str, Any]) -> None:
