@@ -451,8 +451,9 @@ class Trainer:
         t = time.perf_counter()
         val = self.validator(self.model) if self.dist.is_main else None
         barrier()
-        self.val_time += time.perf_counter() - t
-        self.val_total += time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.val_time += took
+        self.val_total += took
         return val
 
     def log_window(self, window: Window, lr: float, logger, bar, val: dict | None = None) -> None:
