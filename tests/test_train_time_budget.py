@@ -2,7 +2,7 @@
 
     the steps are decided from the step time measured over the probe (steps slowed by a known sleep): total =
         max(steps done, floor(budget / step time)), recorded in run.json and summary.json, one line printed, the
-        training time near the budget; the learning rate follows the provisional total up to the decision and the
+        training time near the budget; a validation inside the probe is not step time; the learning rate follows the provisional total up to the decision and the
         decided one after it; a budget spent within the probe ends the run at the decision (logged, saved, final/)
     resume: a run killed before the decision measures again after its checkpoint; one killed after it trains the
         recorded total (a rerun at 10x the step speed would otherwise choose ~10x the steps), without measuring
@@ -74,6 +74,27 @@ def test_the_steps_are_decided_from_the_measured_step_time_and_the_schedule_foll
     assert "decided 1.6 s before; --time-budget 3.2 s:" in out and "ms a step over steps 4-8" in out
     s = read_json(run / "summary.json")
     assert s["steps"] == again["total_steps"] > total and s["steps_this_run"] == again["total_steps"] - total
+
+
+def test_validations_within_the_probe_are_not_step_time(env, tmp_path, monkeypatch):
+    """A checkpoint (and its validation, slowed to 1 s) at step 5, inside the probe (steps 4-8): the step time the
+    run decides on leaves it out (with it, ~0.2 s more a step)."""
+    import dflash.train.validate as validate
+
+    slow_steps(monkeypatch, 0.02)
+    called = validate.Validator.__call__
+
+    def slow_validation(self, model):
+        time.sleep(1.0)
+        return called(self, model)
+
+    monkeypatch.setattr(validate.Validator, "__call__", slow_validation)
+    run = tmp_path / "run"
+    ok(*base(env, run, "--time-budget", 0.5, "--time-budget-probe", 5, "--save-every", 5, "--log-every", 5,
+             "--val-cache", env["cache"], "--val-rows", 2, "--val-max-new-tokens", 4))
+    rec = read_json(run / "run.json")["time_budget"]
+    assert rec["probe_steps"] == [4, 8] and 0.02 <= rec["step_s"] < 0.02 + 0.15
+    assert [r["step"] for r in metrics(run) if "val_loss" in r][0] == 5  # it did validate inside the probe
 
 
 def test_a_budget_spent_within_the_probe_ends_the_run_at_the_decision(env, tmp_path, monkeypatch):
