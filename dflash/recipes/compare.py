@@ -41,11 +41,11 @@ from dflash.recipes.stages import read_dict
 # a DFlash2 training step against a DFlash one, measured 2026-12-03: 2.96x (~151 ms at steps 400-450 against ~51 ms,
 # the median windows of the runs' metrics.jsonl). Its loss reads the target's logits beside the drafter's (a second
 # vocabulary-wide matmul and softmax per slot) and its layers add two block convolutions; the recipe's small drafter
-# spends most of its step on the vocabulary (at the Qwen3-8B shape: 1.3x, 662.6 against ~510 ms, BENCHMARKS.md).
+# spends more of its step on the vocabulary than the Qwen3-8B shape's (1.3x there: 662.6 against ~510 ms, BENCHMARKS.md).
 # With equal training time it sets how many steps DFlash2 gets (hence its validations), not how long it trains.
 DFLASH2_TRAIN_FACTOR = 2.96
-# DFlash2's first compiled call (measured 2026-12-03: 49 s; DFlash's 31 s), DFlash's step (~51 ms) and one validation
-# of the recipe's held-out cache (~15 s with 4 layers) (BENCHMARKS.md, "GPU recipe")
+# DFlash2's first compiled call (49 s in the comparison's run of 2026-12-03; DFlash's 31 s), and DFlash's step (~51 ms)
+# and one validation of the recipe's held-out cache (~15 s with 4 layers) (BENCHMARKS.md, "GPU recipe")
 DFLASH2_FIRST_CALL_S = 49.0
 DFLASH_STEP_S = 0.051
 VALIDATION_S = 15.0
