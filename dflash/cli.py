@@ -232,6 +232,13 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--config", "preset", help="A YAML preset (path or name in configs/); flags override it.")
 @option("--max-steps", type=int, help="Optimizer steps to train for.")
 @option("--epochs", type=float, help="Epochs over the cache (instead of --max-steps).", default_text="1")
+@option("--time-budget", "time_budget_s", metavar="SECONDS",
+        help="Train for about this much training time instead of a number of steps: seconds, or 90m, 2h. The "
+             "steps are chosen after a probe (the step time over --time-budget-probe steps after 3 warm-up steps) as "
+             "SECONDS / step time; training time leaves out the first compiled call, validations and --follow waits. "
+             "The decision is kept in RUN/run.json: a resumed run trains the same steps. Not with --max-steps or "
+             "--epochs (a preset's give the schedule's provisional length until the decision).")
+@option("--time-budget-probe", type=int, help="With --time-budget: the steps timed to decide the run's steps.")
 @option("--arch", type=click.Choice(["dflash", "dflash2"]),
         help="dflash, or dflash2: grouped causal convolutions inside the block and a candidate selector reranking "
              "each slot's top-k, trained on the target's distribution (needs a cache from `dflash extract "
@@ -320,6 +327,7 @@ def train(preset, gpus, no_progress, **flags):
         flags["progress"] = False
     if flags.get("draft_layer_types") is not None:
         flags["draft_layer_types"] = [k.strip() for k in flags["draft_layer_types"].split(",")]
+    check_time_budget(flags)
     cfg = in_path_forms(build(TrainConfig, preset, "train", flags), {"cache": "read", "val_cache": "read"})  # fails once
     refuse_dflash2_flags(cfg.arch, flags)
     check_paths(out=cfg.out, read={"target": cfg.target})
@@ -329,6 +337,18 @@ def train(preset, gpus, no_progress, **flags):
     check_target(cfg.target)
     relaunch_with_gpus(gpus, "train")
     run_train(cfg)
+
+
+def check_time_budget(flags: dict) -> None:
+    """--time-budget as seconds (train/config.py parse_duration); beside a --max-steps or --epochs flag, which
+    would also set the run's steps, one error line naming both."""
+    from dflash.train.config import parse_duration
+
+    flags["time_budget_s"] = parse_duration(flags.get("time_budget_s"))
+    other = next((k for k in ("max_steps", "epochs") if flags.get(k) is not None), None)
+    if flags["time_budget_s"] is not None and other:
+        raise ConfigError(f"--time-budget and {flag(other)} both set the run's steps: give one (--time-budget chooses "
+                          "the steps that fill the time)", "time_budget_s")
 
 
 def refuse_dflash2_flags(arch: str, flags: dict) -> None:
@@ -620,9 +640,10 @@ def check(drafter):
 @click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
 @click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
 @click.option("--compare", type=click.Choice(["dflash2"]),
-              help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden), with "
-                   "the same schedule and steps (both: the preset's compare_max_steps), evaluate both the same way and "
-                   "put them side by side in the summary (tau in source and on MT-Bench, over n-gram's, speed-ups, "
+              help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden) for "
+                   "the same training time (DFlash trains the preset's steps; DFlash2 trains with --time-budget = "
+                   "DFlash's training time, so it gets the steps that time buys), evaluate both the same way and put "
+                   "them side by side in the summary (tau in source and on MT-Bench, over n-gram's, speed-ups, steps, "
                    "training times).  [default workdir: work/demo-gpu-dflash2]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")

@@ -2,8 +2,9 @@
 tiny random target and a tiny copy of the preset:
 
   * both caches hold the target's last hidden state; the DFlash drafter (run/) and the DFlash2 drafter
-    (run-dflash2/) train from the same cache with the same schedule and steps (compare_max_steps), each validating
-    on the validation cache at every checkpoint;
+    (run-dflash2/) train from the same cache with the same schedule for the same training time: DFlash its
+    compare_max_steps, DFlash2 with --time-budget = DFlash's training time (its run records the budget and the steps
+    it decided from its step time), each validating on the validation cache at every checkpoint;
   * both are evaluated by the same eval (the same prompts, in source and MT-Bench, in bf16 with n-gram lookup and in
     float32), and the summary's side-by-side figures are those of their eval reports and trainer summaries;
   * a rerun prints the stored result and changes no file; a run SIGKILLed in the DFlash2 training (after DFlash's
@@ -16,6 +17,7 @@ tiny random target and a tiny copy of the preset:
 """
 
 import json
+import math
 import statistics
 
 import pytest
@@ -24,7 +26,7 @@ from tests.test_demo_gpu_recipe import TINY_RECIPE
 from tests.workload import slowed_steps
 
 COMPARE_RECIPE = TINY_RECIPE.replace("recipe:\n", """recipe:
-  compare_max_steps: 4
+  compare_max_steps: 8
   heldout_source: mt_bench
   heldout_source_prompts: 2
   later_dtype_prompts: 3
@@ -32,7 +34,23 @@ COMPARE_RECIPE = TINY_RECIPE.replace("recipe:\n", """recipe:
 """, """train:
   selector_rank: 8
   selector_top_k: 4
-""").replace("  save_every: 3\n", "  save_every: 2\n")
+  time_budget_probe: 2
+""").replace("  save_every: 3\n", "  save_every: 2\n").replace("  max_steps: 6\n", "  max_steps: 10\n")
+
+
+def budget_steps(run) -> tuple[dict, int]:
+    """DFlash2's time-budget decision (RUN/run.json) and its total: after 3 warm-up steps and a probe of 2, at least
+    5 steps, else the budget over the measured step time."""
+    rec = json.loads((run / "run.json").read_text())["time_budget"]
+    assert rec["probe_steps"][1] - rec["probe_steps"][0] == 1
+    assert rec["total_steps"] == max(rec["probe_steps"][1], math.floor(rec["budget_s"] / rec["step_s"]))
+    return rec, rec["total_steps"]
+
+
+def schedule_steps(total: int) -> tuple[list[int], list[int]]:
+    """(the logged steps, the validated ones) of a run of `total` steps with log_every 3 and save_every 2."""
+    logged = [k for k in range(1, total + 1) if k % 3 == 0 or k % 2 == 0 or k == total]
+    return logged, [k for k in logged if k % 2 == 0 or k == total]
 
 
 @pytest.fixture(scope="module")
@@ -56,25 +74,37 @@ def test_both_drafters_train_from_one_cache_and_the_summary_is_their_reports(com
     s, work = compared["summary"], compared["work"]
     assert all(dflash_cache.open(str(work / name)).last_hidden for name in ("cache", "cache-valid"))
     c = s["compare"]
-    assert c["arch"] == "dflash2" and c["steps"] == 4 and c["same_steps"] and c["preset_steps"] == 6
+    assert c["arch"] == "dflash2" and c["steps"] == 8 and c["preset_steps"] == 10
     assert c["fewer_steps_than_preset"]
     runs = {"dflash": work / "run", "dflash2": work / "run-dflash2"}
+    # equal training time: DFlash2's budget is DFlash's training time, its steps what that time bought
+    rec, n2 = budget_steps(runs["dflash2"])
+    assert rec["budget_s"] == round(c["train"]["dflash"]["train_s"], 3) and rec["probe_steps"] == [4, 5]
+    assert c["time_budget"] == rec == json.loads((runs["dflash2"] / "summary.json").read_text())["time_budget"]
+    assert c["same_steps"] == (n2 == 8)
     for name, run in runs.items():
-        rj = json.loads((run / "run.json").read_text())["config"]
+        steps = 8 if name == "dflash" else n2
+        doc = json.loads((run / "run.json").read_text())
+        rj = doc["config"]
         assert rj["arch"] == name and rj["cache"] == str(work / "cache")
         assert rj["val_cache"] == str(work / "cache-valid")
-        assert rj["max_steps"] == 4 and rj["lr"] == 3.0e-3 and rj["warmup_ratio"] == 0.04
+        assert rj["max_steps"] == 8 and rj["lr"] == 3.0e-3 and rj["warmup_ratio"] == 0.04  # (DFlash2: provisional)
+        assert rj["total_steps"] == steps
+        assert rj["time_budget_s"] == (None if name == "dflash" else rec["budget_s"])
+        assert ("time_budget" in doc) == (name == "dflash2")
         recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-        assert [r["step"] for r in recs if "val_tau_decode" in r] == [2, 4]  # its own validation at every checkpoint
+        logged, validated = schedule_steps(steps)
+        assert [r["step"] for r in recs if "val_tau_decode" in r] == validated  # its own validation at every checkpoint
         trainer = json.loads((run / "summary.json").read_text())
         t = c["train"][name]
-        assert t["steps"] == t["steps_timed"] == 4 and not t["resumed"]
+        assert t["steps"] == t["steps_timed"] == steps and not t["resumed"]
         assert t["wall_s"] == trainer["elapsed_s"] and t["train_s"] == pytest.approx(
             trainer["elapsed_s"] - t["compile_s"] - t["follow_waited_s"] - sum(r.get("val_s", 0) for r in recs))
-        assert t["step_ms"] == pytest.approx(1000 * t["train_s"] / 4)
-        assert [r["step"] for r in recs] == [2, 3, 4]  # logged windows (log_every 3, save_every 2)
+        assert t["train_s_all"] == t["train_s"]
+        assert t["step_ms"] == pytest.approx(1000 * t["train_s"] / steps)
+        assert [r["step"] for r in recs] == logged  # logged windows (log_every 3, save_every 2)
         assert t["step_ms_median_window"] == statistics.median(r["step_ms"] for r in recs[1:])  # the first: warm-up
-    assert c["train_time_ratio"] == pytest.approx(c["train"]["dflash2"]["step_ms"] / c["train"]["dflash"]["step_ms"])
+    assert c["train_time_ratio"] == pytest.approx(c["train"]["dflash2"]["train_s"] / c["train"]["dflash"]["train_s"])
     assert c["equal_training_time"] == (abs(c["train_time_ratio"] - 1) <= 0.10)
     last_val = [json.loads(x) for x in (runs["dflash2"] / "metrics.jsonl").read_text().splitlines()][-1]
     assert s["dflash2"]["train"]["val_tau_decode"] == last_val["val_tau_decode"]
@@ -133,7 +163,11 @@ def test_the_printed_table_and_the_stored_rerun(compared, capsys):
     assert row.split()[-2:] == [f"{bf['dflash']['tau_out_of_source']:.2f}", f"{bf['dflash2']['tau_out_of_source']:.2f}"]
     row = next(ln for ln in out.splitlines() if ln.startswith("speed-up vs target alone, in source"))
     assert row.split()[-2:] == [f"{bf[n]['speedup_in_source']:.2f}x" for n in ("dflash", "dflash2")]
-    assert "both drafters 4 steps (fewer than the recipe's 6: compare_max_steps)" in out
+    rec, n2 = budget_steps(work / "run-dflash2")
+    assert (f"dflash 8 steps (fewer than the recipe's 10: compare_max_steps); dflash2 {n2} steps, what its time budget "
+            f"bought ({rec['budget_s']:.1f} s, dflash's training time, at {1000 * rec['step_s']:.1f} ms a step)") in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("time budget (--time-budget)"))
+    assert row.split()[-3:] == ["-", f"{rec['budget_s']:.1f}", "s"]
     assert "dflash2's training time" in out and "dflash2: speed-ups with both models eager" in out
 
 
@@ -189,8 +223,11 @@ def test_a_run_killed_in_dflash2s_training_resumes_with_what_is_left(compared, t
     first = compared["summary"]["compare"]
     assert again["compare"]["eval"]["bfloat16"]["dflash"] == first["eval"]["bfloat16"]["dflash"]
     t = again["compare"]["train"]["dflash2"]
-    assert t["steps"] == 4 and t["steps_timed"] == 2 and t["resumed"]  # the time of the steps this run made
-    assert [r[0] for r in again["dflash2"]["train"]["val_curve"]] == [2, 4]  # the killed run's validation kept
+    rec, n2 = budget_steps(run2)  # killed before its decision: measured again after the resume, the same budget
+    assert rec["probe_steps"] == [6, 7] and rec["budget_s"] == first["time_budget"]["budget_s"]
+    assert t["steps"] == n2 and t["steps_timed"] == n2 - 2 and t["resumed"]  # the time of the steps this run made
+    assert t["train_s_all"] == pytest.approx(t["step_ms"] * n2 / 1000)  # all its steps at this run's rate
+    assert [r[0] for r in again["dflash2"]["train"]["val_curve"]] == schedule_steps(n2)[1]  # the killed run's kept
     assert again["compare"]["lossless_float32"]["dflash2"]
     assert len(again["all_runs"]) == len(compared["summary"]["all_runs"]) + 2  # the killed run counted, and this
     # the same workdir without --compare: its caches hold the last hidden state, one error before any stage
@@ -217,7 +254,9 @@ def test_with_follow_the_dflash_trainer_follows_the_extraction_for_the_compariso
     assert s["follow"]["trainer_wall_s"] > 0
     trainer = json.loads((work / "run" / "summary.json").read_text())
     t = s["compare"]["train"]
-    assert trainer["steps"] == t["dflash"]["steps"] == t["dflash2"]["steps"] == 4  # compare_max_steps, both
+    assert trainer["steps"] == t["dflash"]["steps"] == 8  # compare_max_steps
+    rec, n2 = budget_steps(work / "run-dflash2")
+    assert t["dflash2"]["steps"] == n2 and rec["budget_s"] == round(t["dflash"]["train_s"], 3)  # waits left out
     assert t["dflash"]["follow_waited_s"] == trainer["follow"]["waited_s"]  # the child followed the extraction
     assert t["dflash2"]["follow_waited_s"] == 0
     assert "follow" not in json.loads((work / "run-dflash2" / "summary.json").read_text())  # alone, after
@@ -228,7 +267,7 @@ def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
     from dflash.core.config import ConfigError
     from dflash.recipes.demo import DemoConfig, run_demo
     from dflash.recipes.gpu import gpu_stage_plan
-    from dflash.recipes.gpu_config import GpuRecipe
+    from dflash.recipes.gpu_config import GpuRecipe, load_recipe
 
     with pytest.raises(ConfigError, match="--compare"):
         run_demo(DemoConfig(recipe="cpu", compare="dflash2", workdir=str(tmp_path / "w")))
@@ -237,12 +276,19 @@ def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
         GpuRecipe(compare="medusa")
     with pytest.raises(Exception, match="compare.max.steps"):
         GpuRecipe(compare_max_steps=-1)
-    # the plan: DFlash's stages, then the compared drafter's, with their estimated shares
-    plain, both = gpu_stage_plan("demo-gpu"), gpu_stage_plan("demo-gpu", {"max_steps": 5000}, "dflash2")
+    # the plan: DFlash's stages, then the compared drafter's, with their estimated shares; the shipped comparison
+    # trains DFlash the recipe's 7,500 steps (compare_max_steps 0) and DFlash2 for DFlash's training time (7,500 x
+    # 51 ms) at 2.96x the step (2,534 steps: validations at 1,500 and at the end), plus its 49 s first call
+    assert load_recipe("demo-gpu").compare_max_steps == 0
+    plain, both = gpu_stage_plan("demo-gpu"), gpu_stage_plan("demo-gpu", {}, "dflash2")
     assert list(both.seconds)[len(plain.seconds):] == ["train dflash2", "eval bfloat16 dflash2", "eval float32 dflash2"]
-    assert both.seconds["train"] == pytest.approx(plain.seconds["train"] * 5000 / 7500)
+    assert both.seconds["train"] == plain.seconds["train"]
+    assert both.seconds["train dflash2"] == pytest.approx(49 + 7500 * 0.051 + 2 * 15 * 1.3)
     assert both.seconds["extract"] == pytest.approx(plain.seconds["extract"] * 1.2)
-    # the shipped comparison fits ~25 minutes on one H200 by the estimates
+    fewer = gpu_stage_plan("demo-gpu", {"max_steps": 5000}, "dflash2")
+    assert fewer.seconds["train"] == pytest.approx(plain.seconds["train"] * 5000 / 7500)
+    assert fewer.seconds["train dflash2"] == pytest.approx(49 + 5000 * 0.051 + 2 * 15 * 1.3)
+    # the shipped comparison fits ~25 minutes on one H200 by the estimates (~23)
     assert sum(both.seconds.values()) < 25 * 60
 
 
@@ -261,3 +307,11 @@ def test_the_verdict_says_how_much_slower_and_which_models_ran_as_graphs(compare
     row = next(ln for ln in out.splitlines() if ln.startswith("CUDA graphs"))
     assert row.split()[-4:] == ["target", "+", "drafter", "target"]  # dflash: both; dflash2: the target only
     assert "dflash2's training time 1.62x dflash's: not equal (within 10%); its step 60% slower" in out
+    # a summary written before equal training time (same steps, no budget, no train_s_all) still reads
+    for t in c["train"].values():
+        del t["train_s_all"], t["time_budget"]
+    c["time_budget"] = None
+    out = format_compare(c)
+    assert "both drafters 8 steps (fewer than the recipe's 10: compare_max_steps)" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("training time"))
+    assert row.split()[-2:] == [f"{c['train']['dflash2']['train_s']:.1f}", "s"]

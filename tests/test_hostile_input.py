@@ -134,7 +134,7 @@ NUMBERS: dict[str, dict[str, tuple]] = {
               "--val-max-new-tokens": (0, INF), "--log-every": (1, INF), "--save-every": (1, INF),
               "--keep-checkpoints": (1, INF), "--loader-threads": (1, INF), "--conv-kernel-size": (1, INF),
               "--conv-group-size": (1, INF), "--selector-rank": (1, INF), "--selector-top-k": (1, INF),
-              "--selector-loss-alpha": (0.0, INF)},
+              "--selector-loss-alpha": (0.0, INF), "--time-budget-probe": (1, INF)},
     "eval": {"--max-prompts": (1, INF), "--skip-prompts": (0, INF), "--max-new-tokens": (1, INF),
              "--ngram-max": (1, INF), "--threads": (0, INF)},
     "regenerate": {"--max-samples": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF),
@@ -256,6 +256,11 @@ WORDS = [
     ("train", "mask-token-id", "100000", "--mask-token-id"),
     ("train", "draft-layer-types", "sliding", "--draft-layer-types"),
     ("train", "draft-layer-types", "full_attention,full_attention", "--draft-layer-types"),
+    ("train", "time-budget", "soon", "--time-budget"),
+    ("train", "time-budget", "0", "--time-budget"),
+    ("train", "time-budget", "-5m", "--time-budget"),
+    ("train", "time-budget", "inf", "--time-budget"),
+    ("train", "time-budget", "2d", "--time-budget"),
 ]
 
 

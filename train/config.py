@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 
-from dflash.core.config import check, finite
+from dflash.core.config import ConfigError, check, finite
 from dflash.core.errors import DflashError
 
 
@@ -45,6 +47,10 @@ class TrainConfig:
     grad_accum: int = 1
     max_steps: int | None = None
     epochs: float | None = None
+    # train/time_budget.py: the steps chosen so that training takes about this many seconds (max_steps / epochs then
+    # give only the provisional total, before the decision), from the step time over `time_budget_probe` steps
+    time_budget_s: float | str | None = None  # seconds, or "90m", "2h" (parse_duration)
+    time_budget_probe: int = 50
     lr: float = 6e-4
     min_lr_ratio: float = 0.0
     warmup_ratio: float = 0.04
@@ -119,6 +125,8 @@ class TrainConfig:
         check(self.epochs is None or (finite(self.epochs) and self.epochs > 0), "epochs",
               f"must be a finite number > 0, got {self.epochs}")
         check(not (self.max_steps and self.epochs), "max_steps", "and --epochs are exclusive: give one")
+        self.time_budget_s = parse_duration(self.time_budget_s)
+        check(self.time_budget_probe >= 1, "time_budget_probe", f"must be >= 1 (steps), got {self.time_budget_probe}")
         check(finite(self.lr) and self.lr > 0, "lr", f"must be a finite number > 0, got {self.lr}")
         check(0 <= self.warmup_ratio < 1, "warmup_ratio", f"must be in [0, 1), got {self.warmup_ratio}")
         check(0 <= self.min_lr_ratio <= 1, "min_lr_ratio", f"must be in [0, 1], got {self.min_lr_ratio}")
@@ -149,6 +157,25 @@ class TrainConfig:
         check(finite(self.follow_timeout) and self.follow_timeout > 0, "follow_timeout",
               f"must be a finite number > 0 (seconds), got {self.follow_timeout}")
         check(self.wandb_mode in (None, "online", "offline", "disabled"), "wandb_mode", "must be online, offline or disabled")
+
+
+DURATION_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: str | float | None) -> float | None:
+    """--time-budget's seconds from 300, "300", "300s", "90m", "1.5h" (None stays None); anything else, or a value
+    <= 0, is a ConfigError naming --time-budget."""
+    if value is None:
+        return None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        seconds = float(value)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([smh]?)\s*", str(value))
+        seconds = float(m.group(1)) * DURATION_UNITS[m.group(2)] if m else None
+    if seconds is None or not math.isfinite(seconds) or seconds <= 0:
+        raise ConfigError(f"--time-budget expects a training time > 0: seconds, or a number with s, m or h (300, 90m, "
+                          f"2h), got {value!r}", "time_budget_s")
+    return seconds
 
 
 ARCHS = ("dflash", "dflash2")

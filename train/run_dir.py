@@ -1,6 +1,7 @@
 """The run directory and its checkpoints: what --out may be, run.json, metrics.jsonl on resume, step_N/ and latest.
 
-A run directory holds run.json (its marker, settings and the identity of the caches it trains on),
+A run directory holds run.json (its marker, settings, the identity of the caches it trains on and, once decided,
+--time-budget's steps: train/time_budget.py; a resume keeps that record),
 metrics.jsonl, summary.json, checkpoints/step_N (config.json, model.safetensors, optimizer.pt, trainer.json and,
 written last, manifest.json; all under a temporary name, then renamed) with `latest` naming the newest, and
 final/. Nothing else in it is ever removed; a failed write names its file and the last good checkpoint, which
@@ -218,7 +219,8 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
                 raise
             _remove_run(cfg.out)  # nothing to resume from: --overwrite starts over
     os.makedirs(os.path.join(cfg.out, "checkpoints"), exist_ok=True)
-    atomic_json(path, {"config": resolved, "dflash": "train", "caches": record})
+    kept = {k: old_doc[k] for k in ("time_budget",) if old_doc is not None and k in old_doc}  # train/time_budget.py
+    atomic_json(path, {"config": resolved, "dflash": "train", "caches": record, **kept})
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

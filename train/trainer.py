@@ -21,7 +21,8 @@ Trainer.train is the loop: train_step (the step above), log_window (the one host
 metrics.jsonl, wandb) and checkpoint. Around it: train/config.py (the settings), train/run_dir.py (the run
 directory and its checkpoints), train/target_head.py (embedding, LM head, mask token), train/schedule.py
 (learning rate, FLOPs, the chip's peak), train/metrics.py (the window's accumulators, wandb),
-train/compile_check.py (the compiled step against the eager one).
+train/compile_check.py (the compiled step against the eager one), train/time_budget.py (--time-budget: the steps
+decided from the step time measured over a probe, recorded in RUN/run.json).
 """
 
 from __future__ import annotations
@@ -165,6 +166,12 @@ class Trainer:
         if self.dist.is_main:
             check_run_dir(cfg, self.resolved)
         barrier()
+        self.budget = None  # --time-budget (train/time_budget.py): a recorded decision's total, else the provisional
+        if cfg.time_budget_s is not None:
+            from .time_budget import TimeBudget
+
+            self.budget = TimeBudget(cfg.time_budget_s, cfg.time_budget_probe, cfg.out, self.dist.is_main)
+            self.total_steps = self.resolved["total_steps"] = self.budget.resume(self.total_steps)
 
         torch.manual_seed(cfg.seed)
         self.model = make_drafter(self.dcfg, attn_impl=self.attn)
@@ -212,6 +219,7 @@ class Trainer:
         self.last_good: str | None = None
         self.pinned = None
         self.val_time = 0.0  # seconds of validation inside the current window (not step time)
+        self.val_total = 0.0  # ... and in the whole process (not training time: the time budget's probe)
 
     def step_key(self, **more) -> dict[str, Any]:
         """What the compiled step's code depends on (the key of its saved artifacts)."""
@@ -297,6 +305,8 @@ class Trainer:
         if done is not None:  # a rerun of a finished run: final/ and what was measured on it stay as they are
             print0(f"train: nothing to do: {cfg.out} finished its {self.total_steps} steps (final/ kept)")
             return done
+        if self.budget is not None:  # a pending decision: the provisional total reaches past the probe
+            self.total_steps = self.budget.start(self.step, self.total_steps)
         logger = init_wandb(cfg, self.resolved, dist.is_main)
         self.metrics.reset()
         self.history, self.last_good, self.pinned, self.val_time = [], None, None, 0.0
@@ -318,6 +328,10 @@ class Trainer:
                 window.steps += 1
                 steps_done += 1
                 bar.update(1)
+                if self.budget is not None and self.budget.pending:  # before the end's log and checkpoint
+                    decided = self.budget.after_step(self.step, self.synced_time, self.untrained_s(), self.slowest)
+                    if decided is not None:
+                        self.total_steps = self.resolved["total_steps"] = bar.total = decided
                 if self.compiled and self.step == min(3, self.total_steps):
                     compiles_at_warm = compile_count()
                     dynamo.config.error_on_recompile = True  # a recompile after warm-up fails loudly
@@ -348,7 +362,8 @@ class Trainer:
                "data_wait_frac": window.wait_total / elapsed if elapsed > 0 else 0.0,
                "recompiles_after_warmup": recompiles, "final": os.path.join(cfg.out, "final"), "params": self.nparams,
                "compiled": self.compiled, "compile_check": self.check, "first_compiled_call": self.first_call,
-               "val": next((h for h in reversed(self.history) if "val_loss" in h), None)}
+               "val": next((h for h in reversed(self.history) if "val_loss" in h), None),
+               "time_budget": self.budget.record if self.budget is not None else None}
         if self.follower is not None:  # the rate of the last log window, for a run that waited only at its start
             last = next((h for h in reversed(self.history) if "ctx_tokens_per_s" in h), None)
             out["follow"] = self.follower.summary(last["ctx_tokens_per_s"] / self.cache.seq_len if last else None)
@@ -411,6 +426,18 @@ class Trainer:
             p.grad = None
         return waited
 
+    def untrained_s(self) -> float:
+        """Seconds of this process so far that are not training time: validations and --follow waits for shards."""
+        return self.val_total + (self.follower.waited_s if self.follower is not None else 0.0)
+
+    def slowest(self, x: float) -> float:
+        """The max of x over the ranks (x itself in one process)."""
+        if not self.dist.distributed:
+            return x
+        t = torch.tensor([x], dtype=torch.float64, device=self.dev)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return float(t)
+
     def synced_time(self) -> float:
         if self.cuda:
             torch.cuda.synchronize(self.dev)
@@ -424,7 +451,9 @@ class Trainer:
         t = time.perf_counter()
         val = self.validator(self.model) if self.dist.is_main else None
         barrier()
-        self.val_time += time.perf_counter() - t
+        took = time.perf_counter() - t
+        self.val_time += took
+        self.val_total += took
         return val
 
     def log_window(self, window: Window, lr: float, logger, bar, val: dict | None = None) -> None:
@@ -513,7 +542,9 @@ def _run_train(cfg: TrainConfig) -> dict[str, Any]:
     tr = Trainer(cfg)
     print0(f"train: drafter {tr.dcfg.num_layers} layers x {tr.dcfg.hidden_size} ({tr.nparams / 1e6:.1f}M trainable), "
            f"block {tr.dcfg.block_size}, {cfg.num_anchors} anchors/row, mask token {tr.dcfg.mask_token_id}; "
-           f"{len(tr.cache)} rows of {tr.cache.seq_len} -> {tr.total_steps} steps of {cfg.batch_rows} rows x "
+           f"{len(tr.cache)} rows of {tr.cache.seq_len} -> {tr.total_steps} steps"
+           f"{' (provisional: --time-budget decides)' if tr.budget is not None and tr.budget.pending else ''} of "
+           f"{cfg.batch_rows} rows x "
            f"{cfg.grad_accum} accum x {tr.dist.world} ranks; {'compiled' if tr.compiled else 'eager'} on {tr.dev}, "
            f"{tr.param_dtype}, attention {tr.attn}")
     out = tr.train()

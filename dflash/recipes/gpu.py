@@ -28,9 +28,11 @@ into the same workdir:
 
 With `compare: dflash2` (`dflash demo --compare dflash2`; dflash/recipes/compare.py) both caches hold the target's
 last hidden state too (extract --last-hidden), and after DFlash's training and evals a DFlash2 drafter trains from
-the same caches with the same schedule and steps (compare_max_steps: both drafters' steps) into run-dflash2/, and is
-evaluated the same way: stages "train dflash2", "eval bfloat16 dflash2", "eval float32 dflash2". The summary puts the
-two side by side under "compare" (each drafter's own figures under "train"/"eval"/"bars" and "dflash2").
+the same caches for the same training time into run-dflash2/ (DFlash trains compare_max_steps, or the train section's
+max_steps; DFlash2 trains with `--time-budget` = DFlash's training time and the preset's schedule otherwise, and so
+gets the steps that time buys: dflash/recipes/compare.py), and is evaluated the same way: stages "train dflash2",
+"eval bfloat16 dflash2", "eval float32 dflash2". The summary puts the two side by side under "compare" (each
+drafter's own figures under "train"/"eval"/"bars" and "dflash2").
 
 Workdir layout: target/, data/{train,heldout,valid}.jsonl + data/split.json (and data/self-prompts.json{,l}),
 regenerated/, regenerated-valid/, cache/, cache-valid/, run/ (with eval-bfloat16.json, eval-float32.json; a
@@ -55,8 +57,8 @@ from typing import Any
 
 from dflash.core.config import ConfigError, check, read_preset
 from dflash.core.io import atomic_json
-from dflash.recipes.compare import (DFLASH2_EVAL_FACTOR, DFLASH2_TRAIN_FACTOR, LAST_HIDDEN_EXTRACT_FACTOR,
-                                    compare_run, compare_summary)
+from dflash.recipes.compare import (DFLASH2_EVAL_FACTOR, LAST_HIDDEN_EXTRACT_FACTOR, compare_run, compare_summary,
+                                    dflash2_train_seconds, equal_time_budget)
 from dflash.recipes.gpu_config import COMPARE_ARCHS, PRESET, load_recipe
 from dflash.recipes.gpu_stages import FollowingTrainer, WorkTime, follower_args, prepare, train_and_eval
 from dflash.recipes.self_prompts import NAME as SELF
@@ -69,15 +71,13 @@ from dflash.recipes.summary import drafter_figures, format_gpu_summary
 # extraction it ran beside). BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
 GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, "regenerate": 134.0, "extract": 62.0,
                      "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}
-# DFlash's whole training on its own (not beside the extraction), the base of the compared drafter's estimate: the
-# first compiled call 31 s, 7,500 steps of ~51 ms and 5 validations of ~15 s (BENCHMARKS.md, "GPU recipe")
-DFLASH_TRAIN_ALONE_S = 31.0 + 7500 * 0.051 + 5 * 15.0
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, compare: str = "") -> StagePlan:
     """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override);
     with `compare`, the second drafter's training and evals after DFlash's and the extraction with the last hidden
-    state, estimated by dflash/recipes/compare.py's factors until measured."""
+    state, estimated by dflash/recipes/compare.py's figures: its training takes DFlash's training time (its time
+    budget), plus its first compiled call and its validations."""
     recipe = load_recipe(preset)
     ref = dict(GPU_STAGE_SECONDS)
     if compare:
@@ -90,14 +90,16 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, co
     secs["extract"] = ref["extract"]
     if recipe.validation and not recipe.follow:
         secs["validation data"] = ref["validation data"]
-    steps, preset_steps = (train_overrides or {}).get("max_steps"), read_preset(preset, "train").get("max_steps")
+    train = read_preset(preset, "train")
+    steps, preset_steps = (train_overrides or {}).get("max_steps"), train.get("max_steps")
     scale = steps / preset_steps if steps and preset_steps else 1.0
     secs["train"] = ref["train"] * scale
     evals = {f"eval {dtype}": ref.get(f"eval {dtype}", ref["eval bfloat16"] if i == 0 else ref["eval float32"])
              for i, dtype in enumerate(recipe.eval_dtypes)}
     secs.update(evals)
-    if compare:  # trained alone after DFlash's (which follows the extraction): DFlash's whole training, scaled
-        secs[f"train {compare}"] = DFLASH_TRAIN_ALONE_S * scale * DFLASH2_TRAIN_FACTOR
+    if compare:  # trained alone after DFlash's (which follows the extraction), for DFlash's training time
+        secs[f"train {compare}"] = dflash2_train_seconds(steps or preset_steps or 0, train.get("save_every"),
+                                                         recipe.validation)
         secs.update({f"{k} {compare}": v * DFLASH2_EVAL_FACTOR for k, v in evals.items()})
     return StagePlan(secs)
 
@@ -156,7 +158,8 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     run, summary_path = os.path.join(workdir, "run"), os.path.join(workdir, "summary.json")
     runs = {"dflash": run, **({arch: compare_run(workdir, arch)} if arch else {})}
     request = gpu_request(preset, device, target, train_overrides, eval_prompts, arch)
-    # a comparison trains both drafters for compare_max_steps unless the steps were given
+    # a comparison trains DFlash for compare_max_steps unless the steps were given (DFlash2: its provisional total,
+    # before its time budget decides its steps)
     train_overrides = dict(train_overrides or {})
     if arch and recipe.compare_max_steps and "max_steps" not in train_overrides:
         train_overrides["max_steps"] = recipe.compare_max_steps
@@ -175,7 +178,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     plan = gpu_stage_plan(preset, train_overrides, arch)
     what = f"the GPU recipe ({preset})" + (f", a {arch} drafter compared with the DFlash one," if arch else "")
     print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one H200 ("
-          + (f"estimated: the {arch} stages from DFlash's, training x{DFLASH2_TRAIN_FACTOR:g}, eval "
+          + (f"estimated: the {arch} stages from DFlash's, training for DFlash's training time, eval "
              f"x{DFLASH2_EVAL_FACTOR:g}" if arch else "as measured for the shipped preset")
           + "); the first training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
@@ -196,9 +199,10 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
                 prep.follower = followers[0] if followers else None
                 out = train_and_eval(prep, run, preset, device, progress, train_overrides, eval_prompts,
                                      timings=timings, stages=plan)
-                if arch:  # from the same caches, the same schedule and steps, the same eval; after DFlash's
+                if arch:  # from the same caches, for DFlash's training time, the same eval; after DFlash's
+                    budget = {"arch": arch, "time_budget_s": equal_time_budget(run)}
                     out2 = train_and_eval(dataclasses.replace(prep, follower=None), runs[arch], preset, device,
-                                          progress, dict(train_overrides, arch=arch), eval_prompts, timings=timings,
+                                          progress, dict(train_overrides, **budget), eval_prompts, timings=timings,
                                           stages=plan, label=arch)
             finally:
                 for f in followers:

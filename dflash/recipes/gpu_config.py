@@ -62,9 +62,12 @@ class GpuRecipe:
     follow: bool = False
     # the comparison (`dflash demo --compare dflash2`, dflash/recipes/compare.py): "" = none; dflash2 = a DFlash2
     # drafter trained after the DFlash one from the same cache (extracted with --last-hidden, the validation cache too)
-    # with the same schedule and steps, into run-dflash2/, and evaluated as it is; the summary puts them side by side
+    # for the same training time (train --time-budget = DFlash's), into run-dflash2/, and evaluated as it is; the
+    # summary puts them side by side
     compare: str = ""
-    compare_max_steps: int = 0  # optimizer steps of BOTH drafters in a comparison (0 = the train section's max_steps)
+    # DFlash's optimizer steps in a comparison (0 = the train section's max_steps); DFlash2's provisional total, before
+    # its time budget decides its steps
+    compare_max_steps: int = 0
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")

@@ -1,0 +1,188 @@
+"""`dflash train --time-budget` (train/time_budget.py) on CPU, on the real cache and CLI of tests/test_train.py:
+
+    the steps are decided from the step time measured over the probe (steps slowed by a known sleep): total =
+        max(steps done, floor(budget / step time)), recorded in run.json and summary.json, one line printed, the
+        training time near the budget; a validation inside the probe is not step time; the learning rate follows the provisional total up to the decision and the
+        decided one after it; a budget spent within the probe ends the run at the decision (logged, saved, final/)
+    resume: a run killed before the decision measures again after its checkpoint; one killed after it trains the
+        recorded total (a rerun at 10x the step speed would otherwise choose ~10x the steps), without measuring
+    torchrun: two ranks decide one total (the slowest rank's step time)
+    errors: a budget <= 0 or not a time, and --time-budget beside --max-steps / --epochs: one `error:` line each
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import time
+
+import pytest
+
+from dflash.train.config import parse_duration
+from dflash.train.time_budget import read_record
+from dflash.train.trainer import TrainConfig, lr_at
+from tests.test_train import PY, REPO, _env, assert_clean_error, base, cli, env, kill_when, latest_step  # noqa: F401
+from tests.test_train import logged_steps, metrics, ok, read_json
+
+
+def slow_steps(monkeypatch, seconds: float) -> None:
+    """Every micro-step of an in-process run slowed by `seconds` (tests/workload.py slowed_steps, in this process)."""
+    import dflash.train.trainer as t
+
+    scores = t.Trainer.anchor_scores
+
+    def slow(self, *a):
+        time.sleep(seconds)
+        return scores(self, *a)
+
+    monkeypatch.setattr(t.Trainer, "anchor_scores", slow)
+
+
+def test_the_steps_are_decided_from_the_measured_step_time_and_the_schedule_follows(env, tmp_path, monkeypatch):
+    from dflash.recipes.compare import train_time
+
+    slow_steps(monkeypatch, 0.04)
+    run, budget, lr, warm = tmp_path / "run", 1.6, 3e-3, 0.2
+    out = ok(*base(env, run, "--time-budget", budget, "--time-budget-probe", 5, "--log-every", 1, "--save-every", 100,
+                   "--lr", lr, "--warmup-ratio", warm))
+    rec = read_json(run / "run.json")["time_budget"]
+    assert rec["budget_s"] == budget and rec["probe_steps"] == [4, 8]  # after 3 warm-up steps, 5 timed
+    assert 0.04 <= rec["step_s"] < 0.04 + 0.5
+    total = rec["total_steps"]
+    assert total == max(8, math.floor(budget / rec["step_s"])) and total > 8
+    assert read_json(run / "run.json")["config"]["total_steps"] == total
+    line = f"train: --time-budget 1.6 s: {1000 * rec['step_s']:.1f} ms a step over steps 4-8 -> {total:,} steps"
+    assert line in out
+    s = read_json(run / "summary.json")
+    assert s["steps"] == s["steps_this_run"] == total and s["time_budget"] == rec
+    assert [r["step"] for r in metrics(run)] == list(range(1, total + 1))
+    assert 0.5 * budget < train_time(str(run))["train_s"] < 2 * budget  # the time it was given, roughly
+    # the schedule: the provisional total (1 epoch) up to the decision after step 8, the decided total after it
+    provisional = max(math.ceil(env["rows"] / 2), 8)
+    cfg = TrainConfig(cache="c", target="t", out="o", lr=lr, warmup_ratio=warm)
+    for r in metrics(run):  # the record of step s is written after the update that used lr_at(s - 1)
+        want = lr_at(r["step"] - 1, provisional if r["step"] <= 8 else total, cfg)
+        assert r["lr"] == pytest.approx(want, rel=1e-12), r["step"]
+    assert any(lr_at(k, provisional, cfg) != lr_at(k, total, cfg) for k in range(8, total))  # two schedules
+
+    # another budget for the finished run: decided again from the recorded step time (no probe), and trained on
+    out = ok(*base(env, run, "--time-budget", 2 * budget, "--time-budget-probe", 5, "--log-every", 1, "--save-every",
+                   100, "--lr", lr, "--warmup-ratio", warm))
+    again = read_json(run / "run.json")["time_budget"]
+    assert again == dict(rec, budget_s=2 * budget, total_steps=math.floor(2 * budget / rec["step_s"]))
+    assert "decided 1.6 s before; --time-budget 3.2 s:" in out and "ms a step over steps 4-8" in out
+    s = read_json(run / "summary.json")
+    assert s["steps"] == again["total_steps"] > total and s["steps_this_run"] == again["total_steps"] - total
+
+
+def test_validations_within_the_probe_are_not_step_time(env, tmp_path, monkeypatch):
+    """A checkpoint (and its validation, slowed to 1 s) at step 5, inside the probe (steps 4-8): the step time the
+    run decides on leaves it out (with it, ~0.2 s more a step)."""
+    import dflash.train.validate as validate
+
+    slow_steps(monkeypatch, 0.02)
+    called = validate.Validator.__call__
+
+    def slow_validation(self, model):
+        time.sleep(1.0)
+        return called(self, model)
+
+    monkeypatch.setattr(validate.Validator, "__call__", slow_validation)
+    run = tmp_path / "run"
+    ok(*base(env, run, "--time-budget", 0.5, "--time-budget-probe", 5, "--save-every", 5, "--log-every", 5,
+             "--val-cache", env["cache"], "--val-rows", 2, "--val-max-new-tokens", 4))
+    rec = read_json(run / "run.json")["time_budget"]
+    assert rec["probe_steps"] == [4, 8] and 0.02 <= rec["step_s"] < 0.02 + 0.15
+    assert [r["step"] for r in metrics(run) if "val_loss" in r][0] == 5  # it did validate inside the probe
+
+
+def test_a_budget_spent_within_the_probe_ends_the_run_at_the_decision(env, tmp_path, monkeypatch):
+    slow_steps(monkeypatch, 0.03)
+    run = tmp_path / "run"
+    ok(*base(env, run, "--time-budget", "0.05s", "--time-budget-probe", 3, "--log-every", 4, "--save-every", 100))
+    rec = read_json(run / "run.json")["time_budget"]
+    assert rec["probe_steps"] == [4, 6] and rec["total_steps"] == 6  # floor(0.05 / ~0.03) = 1 < the 6 done
+    s = read_json(run / "summary.json")
+    assert s["steps"] == 6 and (run / "final" / "model.safetensors").exists()
+    assert [r["step"] for r in metrics(run)] == [4, 6]  # the last step logged, and checkpointed
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000006"
+
+
+def test_a_resume_keeps_the_decided_total_and_one_before_the_decision_measures_again(env, tmp_path):
+    """Steps slowed to ~0.1 s (tests/test_train.py THROTTLED) in the killed runs; the last rerun is unthrottled, ~10x
+    faster: measuring again would choose ~10x the steps."""
+    args = ["--time-budget", 2.5, "--time-budget-probe", 4, "--save-every", 3, "--log-every", 1, "--lr", 3e-3]
+    run = tmp_path / "run"
+    # 1. killed after its step-3 checkpoint, before the decision (after step 7): nothing recorded
+    kill_when(base(env, run, *args), run, lambda r: latest_step(r) >= 3 and max(logged_steps(r), default=0) <= 6)
+    assert read_record(str(run)) is None
+    resume_at = latest_step(run)
+    assert resume_at in (3, 6)
+    # 2. the rerun measures again from where it resumed, and is killed right after deciding
+    kill_when(base(env, run, *args), run, lambda r: read_record(str(r)) is not None)
+    rec = read_record(str(run))
+    assert rec["probe_steps"] == [resume_at + 4, resume_at + 7] and rec["step_s"] >= 0.1
+    assert rec["total_steps"] == max(resume_at + 7, math.floor(2.5 / rec["step_s"]))
+    # 3. the same command, unthrottled: the recorded total, no probe
+    out = ok(*base(env, run, *args))
+    said = [ln for ln in out.splitlines() if "--time-budget 2.5 s:" in ln]
+    assert len(said) == 1 and "(decided before" in said[0], out
+    assert read_record(str(run)) == rec
+    s = read_json(run / "summary.json")
+    assert s["steps"] == rec["total_steps"] and s["time_budget"] == rec
+    assert logged_steps(run) == list(range(1, rec["total_steps"] + 1))  # no duplicates, no gaps
+    # a rerun of the finished run changes nothing
+    before = (run / "summary.json").read_bytes()
+    assert "nothing to do" in ok(*base(env, run, *args))
+    assert (run / "summary.json").read_bytes() == before
+
+
+def test_a_damaged_record_is_no_decision(tmp_path):
+    good = {"budget_s": 60.0, "step_s": 0.15, "probe_steps": [4, 53], "total_steps": 400}
+    for rec, whole in ((good, True), (dict(good, step_s=0), False), (dict(good, total_steps="400"), False),
+                       (dict(good, probe_steps=[4]), False), ({k: v for k, v in good.items() if k != "budget_s"}, False),
+                       ("400 steps", False)):
+        (tmp_path / "run.json").write_text(json.dumps({"dflash": "train", "config": {}, "time_budget": rec}))
+        assert (read_record(str(tmp_path)) == rec) == whole and (read_record(str(tmp_path)) is None) != whole
+    (tmp_path / "run.json").write_text('{"dflash": "train", "conf')  # cut short
+    assert read_record(str(tmp_path)) is None
+
+
+def test_ranks_under_torchrun_decide_one_total(env, tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "dflash",
+                        *map(str, base(env, run, "--time-budget", 0.6, "--time-budget-probe", 3, "--log-every", 1,
+                                       "--save-every", 100))],
+                       cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
+    rec = read_json(run / "run.json")["time_budget"]
+    assert p.stdout.count("train: --time-budget 0.6 s:") == 1  # rank 0's line
+    assert rec["total_steps"] == max(6, math.floor(0.6 / rec["step_s"]))
+    assert read_json(run / "summary.json")["steps"] == rec["total_steps"]  # both ranks stopped there (else a hang)
+    assert [r["step"] for r in metrics(run)] == list(range(1, rec["total_steps"] + 1))
+
+
+def test_bad_budgets_are_refused_naming_the_flag(env, tmp_path):
+    assert [parse_duration(x) for x in ("300", "300s", "90m", "1.5h", "2h", " 45 ")] == [300, 300, 5400, 5400, 7200, 45]
+    assert parse_duration(None) is None
+    out = tmp_path / "r"
+    for bad in ("0", "-5", "0m", "soon", "5d", "nan"):
+        code, _, err = cli(*base(env, out, "--time-budget", bad))
+        assert_clean_error(code, err, "--time-budget", repr(bad))
+    for other in (("--max-steps", 5), ("--epochs", 1)):
+        code, _, err = cli(*base(env, out, "--time-budget", 60, *other))
+        assert_clean_error(code, err, "--time-budget", other[0])
+    code, _, err = cli(*base(env, out, "--time-budget", 60, "--time-budget-probe", 0))
+    assert_clean_error(code, err, "--time-budget-probe", "got 0")
+    preset = tmp_path / "p.yaml"
+    for bad in ("-1", "'10 min'"):
+        preset.write_text(f"train:\n  time_budget_s: {bad}\n")
+        code, _, err = cli(*base(env, out, "--config", preset))
+        assert_clean_error(code, err, "--time-budget", f"got {'-1' if bad == '-1' else repr('10 min')}",
+                           f"set by --config {preset}")
+    assert not out.exists()  # nothing was created for a refused run
+    with pytest.raises(Exception, match="--time-budget"):
+        TrainConfig(cache="c", target="t", out="o", time_budget_s=0.0)
+    assert TrainConfig(cache="c", target="t", out="o", time_budget_s="90m").time_budget_s == 5400.0  # a preset's too
+    assert parse_duration("1e3") == parse_duration(1000) == 1000.0
