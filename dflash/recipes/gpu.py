@@ -73,6 +73,15 @@ GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, 
                      "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}
 
 
+def compare_overrides(recipe, train_overrides: dict | None, compare: str) -> dict:
+    """The training overrides of a run: a comparison trains DFlash for compare_max_steps unless the steps were given
+    (DFlash2: its provisional total, before its time budget decides its steps)."""
+    train_overrides = dict(train_overrides or {})
+    if compare and recipe.compare_max_steps and "max_steps" not in train_overrides:
+        train_overrides["max_steps"] = recipe.compare_max_steps
+    return train_overrides
+
+
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, compare: str = "") -> StagePlan:
     """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override);
     with `compare`, the second drafter's training and evals after DFlash's and the extraction with the last hidden
@@ -91,7 +100,8 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, co
     if recipe.validation and not recipe.follow:
         secs["validation data"] = ref["validation data"]
     train = read_preset(preset, "train")
-    steps, preset_steps = (train_overrides or {}).get("max_steps"), train.get("max_steps")
+    train_overrides = compare_overrides(recipe, train_overrides, compare)
+    steps, preset_steps = train_overrides.get("max_steps"), train.get("max_steps")
     scale = steps / preset_steps if steps and preset_steps else 1.0
     secs["train"] = ref["train"] * scale
     evals = {f"eval {dtype}": ref.get(f"eval {dtype}", ref["eval bfloat16"] if i == 0 else ref["eval float32"])
@@ -158,11 +168,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     run, summary_path = os.path.join(workdir, "run"), os.path.join(workdir, "summary.json")
     runs = {"dflash": run, **({arch: compare_run(workdir, arch)} if arch else {})}
     request = gpu_request(preset, device, target, train_overrides, eval_prompts, arch)
-    # a comparison trains DFlash for compare_max_steps unless the steps were given (DFlash2: its provisional total,
-    # before its time budget decides its steps)
-    train_overrides = dict(train_overrides or {})
-    if arch and recipe.compare_max_steps and "max_steps" not in train_overrides:
-        train_overrides["max_steps"] = recipe.compare_max_steps
+    train_overrides = compare_overrides(recipe, train_overrides, arch)
     reports = [os.path.join(r, f"eval-{dtype}.json") for r in runs.values() for dtype in recipe.eval_dtypes]
     stored = stored_result(summary_path, request, "request", reports)
     if stored is not None:
