@@ -163,6 +163,42 @@ def test_the_fused_layers_serve_every_decoder_of_a_process_with_a_few_variants(t
     assert len(entries(post)) == before
 
 
+def test_a_fused_layer_that_fails_to_compile_falls_back_to_the_modules_once(tiny, monkeypatch, capsys):
+    """Should the fused layers fail to compile (a compiler error), the step is computed again with the HF modules'
+    layers (the same logits), the process says so once, and its later decoders do not fuse; an error of any other
+    kind still stops the step."""
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    from dflash.core import static_decode as sd
+
+    m = tiny["model"]
+    V = m.config.vocab_size
+    ids = torch.randint(3, V, (2, 12), generator=torch.Generator().manual_seed(0))
+
+    def broken(error):
+        def call(*args):
+            raise error
+        return lambda: (call, call)
+
+    ref = StaticDecoder(m, slots=2, max_len=32, bucket=8, fused=False)
+    ref.prefill(ids[:, :8], torch.tensor([0, 1]))
+    want, _ = ref.step(ids[:, 8:11], torch.tensor([8, 8]), 11)
+    monkeypatch.setattr(sd, "_FUSED_FAILED", None)
+    monkeypatch.setattr(sd, "fused_layers", broken(ValueError("not the compiler")))
+    dec = StaticDecoder(m, slots=2, max_len=32, bucket=8, fused=True)
+    dec.prefill(ids[:, :8], torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="not the compiler"):
+        dec.step(ids[:, 8:11], torch.tensor([8, 8]), 11)
+    assert dec.fused and sd._FUSED_FAILED is None
+    monkeypatch.setattr(sd, "fused_layers", broken(FailOnRecompileLimitHit("recompile limit")))
+    got, _ = dec.step(ids[:, 8:11], torch.tensor([8, 8]), 11)
+    torch.testing.assert_close(got, want)
+    assert not dec.fused and "FailOnRecompileLimitHit: recompile limit" == sd._FUSED_FAILED
+    assert not StaticDecoder(m, slots=2, max_len=32, bucket=8, fused=True).fused
+    dec.step(ids[:, 11:12], torch.tensor([11, 11]), 12)
+    assert capsys.readouterr().out.count("the fused layers failed to compile") == 1
+
+
 def test_unsupported_models_are_named(tmp_path):
     from transformers import MistralConfig, MistralForCausalLM
 

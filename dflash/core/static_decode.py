@@ -163,6 +163,17 @@ def _limited(fn):
     return call
 
 
+_FUSED_FAILED: str | None = None  # why fused_layers failed to compile in this process (its decoders then do not fuse)
+
+
+def _fused_failed(e: Exception) -> None:
+    global _FUSED_FAILED
+    if _FUSED_FAILED is None:
+        _FUSED_FAILED = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"[:300]
+        print(f"static decoder: note: the fused layers failed to compile ({_FUSED_FAILED}); this process decodes "
+              "with the HF modules' layers instead (the same results, slower)", flush=True)
+
+
 def fused_layers():
     """(pre, post): _layer_pre and _layer_post through torch.compile, built once per process. The weights are
     arguments, so one compiled graph serves every layer; the shapes (rows, tokens, columns, positions) are
@@ -214,7 +225,7 @@ class StaticDecoder:
         # for every layer and every shape; the HF modules' eager path where the layers are not the plain kind
         # (None: on a GPU; on a CPU compiling costs more than it saves, and the HF modules are the reference)
         fused = self.device.type == "cuda" if fused is None else fused
-        self.fused = bool(fused) and fusable(self.layers, cfg) is None
+        self.fused = bool(fused) and fusable(self.layers, cfg) is None and _FUSED_FAILED is None
         self.graphs_on = graphs and self.device.type == "cuda"
         self._graphs: dict[tuple[int, int, int, bool], tuple] = {}  # (n, q, span, all logits) -> graph
         self._pool = None
@@ -375,7 +386,7 @@ class StaticDecoder:
         span = self.span_for(end)
         self.shapes.add((n, q, span, all_logits))
         if not self.graphs_on:
-            return self._forward(ids, None, start, span, None if all_logits else start.new_full((n,), q - 1))
+            return self._forward_or_fall_back(ids, start, span, None if all_logits else start.new_full((n,), q - 1))
         if q > self._ids.shape[1]:
             raise ValueError(f"a step of {q} tokens per row is more than the decoder's max_q ({self._ids.shape[1]})")
         self._ids[:n, :q].copy_(ids)
@@ -403,6 +414,22 @@ class StaticDecoder:
                 count += 1
         return count
 
+    def _forward_or_fall_back(self, ids, start, span, keep):
+        """_forward of a step, run where the fused layers may compile (never inside a capture). Should their compilation
+        fail (a torch or compiler error, not ours), this process decodes with the HF modules' layers from then on,
+        slower but the same arithmetic, and says so once: a decode that runs beats one that stops. The step's keys
+        and values are written again, the same at the same columns."""
+        if not self.fused:
+            return self._forward(ids, None, start, span, keep)
+        try:
+            return self._forward(ids, None, start, span, keep)
+        except Exception as e:  # noqa: BLE001  (only the compiler's own errors are caught: below)
+            if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+                raise
+            _fused_failed(e)
+            self.fused = False
+            return self._forward(ids, None, start, span, keep)
+
     def _capture(self, n: int, q: int, span: int, all_logits: bool):
         """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers: the
         warm-up run writes the keys and values this very step writes (the same values at the same places), so no
@@ -412,7 +439,7 @@ class StaticDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward(ids, None, start, span, keep)
+            self._forward_or_fall_back(ids, start, span, keep)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
