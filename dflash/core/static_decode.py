@@ -419,12 +419,10 @@ class StaticDecoder:
         fail (a torch or compiler error, not ours), this process decodes with the HF modules' layers from then on,
         slower but the same arithmetic, and says so once: a decode that runs beats one that stops. The step's keys
         and values are written again, the same at the same columns."""
-        if not self.fused:
-            return self._forward(ids, None, start, span, keep)
         try:
             return self._forward(ids, None, start, span, keep)
         except Exception as e:  # noqa: BLE001  (only the compiler's own errors are caught: below)
-            if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            if not self.fused or not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
             _fused_failed(e)
             self.fused = False
