@@ -23,6 +23,17 @@ SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hi
                rms_norm_eps=1e-5, tie_word_embeddings=True)
 
 
+def tiny_llama(**over):
+    """A one-layer random Llama 16 wide over 64 tokens, in eval mode: for what the model's size does not change (the
+    slot engine's scheduling and host work: bench/slot_schedule.py, bench/slot_host.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = dict(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+               num_key_value_heads=1, **over)
+    return LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+
+
 def hardware() -> str:
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import tiny_llama  # noqa: E402
 from dflash.extract.generate import Request  # noqa: E402
 from dflash.extract.slot_engine import SlotEngine  # noqa: E402
 
@@ -33,13 +34,9 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=1024)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     args = ap.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    V = 64
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1)).eval()
+    model = tiny_llama()
+    V = model.config.vocab_size
     eng = SlotEngine(model, eos_ids={V - 1}, slots=args.slots, max_len=256, prefill_tokens=1 << 16, bucket=64,
                      graphs=False)
     logits = torch.zeros(args.slots, 1, V)

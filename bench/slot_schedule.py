@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import tiny_llama  # noqa: E402
 from dflash.extract.generate import Request  # noqa: E402
 from dflash.extract.regenerate import PartOrder  # noqa: E402
 from dflash.extract.slot_engine import SlotEngine  # noqa: E402
@@ -34,13 +35,8 @@ def main() -> None:
     ap.add_argument("--part-size", type=int, default=256)
     ap.add_argument("--windows", default="1,8,16,32", help="parts per window, comma-separated")
     args = ap.parse_args()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1,
-                                         max_position_embeddings=8192)).eval()
+    model = tiny_llama(max_position_embeddings=8192)
     rng = random.Random(0)
     lens = [max(16, min(3000, int(rng.lognormvariate(5.7, 0.9)))) for _ in range(args.prompts)]
     news = [rng.randint(8, 96) for _ in range(args.prompts)]
