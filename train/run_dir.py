@@ -51,7 +51,7 @@ RUN_MARKER = "run.json"
 RUN_ENTRIES = ("run.json", "metrics.jsonl", "summary.json", "checkpoints", "final", "final.tmp", "wandb", "compile")
 
 
-def _run_marker(out: str) -> dict | None:
+def run_marker(out: str) -> dict | None:
     """RUN/run.json when it is a dflash train record, else None."""
     try:
         with open(os.path.join(out, RUN_MARKER)) as f:
@@ -89,11 +89,11 @@ def check_out_path(cfg: TrainConfig) -> None:
             raise TrainError(f"--out {cfg.out}: {name} is a directory, not the file dflash train writes (a damaged run "
                              "directory); move it away, or choose another --out")
     entries = [n for n in os.listdir(cfg.out) if not n.startswith(LOCK_NAME)]
-    if entries and _run_marker(cfg.out) is None and set(entries) <= set(RUN_ENTRIES):
+    if entries and run_marker(cfg.out) is None and set(entries) <= set(RUN_ENTRIES):
         state = "damaged (not a dflash train record)" if RUN_MARKER in entries else "missing"
         raise TrainError(f"--out {cfg.out} holds what dflash train writes, but its {RUN_MARKER} is {state}: the run "
                          "cannot be checked or resumed; choose another --out, or delete the directory to start over")
-    if entries and _run_marker(cfg.out) is None:
+    if entries and run_marker(cfg.out) is None:
         raise TrainError(f"--out {cfg.out} is not a dflash run directory (it holds {_describe_dir(cfg.out, entries)}); "
                          "choose another --out (--overwrite only replaces a dflash train run directory, one with run.json)")
 
@@ -189,7 +189,7 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
     other ranks look at RUN."""
     check_out_path(cfg)
     path = os.path.join(cfg.out, RUN_MARKER)
-    old_doc = _run_marker(cfg.out)
+    old_doc = run_marker(cfg.out)
     record = _cache_record(caches, cfg)
     if old_doc is not None:
         old = old_doc.get("config", {})

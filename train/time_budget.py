@@ -39,6 +39,8 @@ from typing import Any, Callable
 
 from dflash.core.dist import atomic_json, print0
 
+from .run_dir import run_marker
+
 # steps of a process before its probe: the first compiled call (step 1), the CUDA graphs' recording and first replay
 WARMUP_STEPS = 3
 RECORD_KEY = "time_budget"  # in RUN/run.json
@@ -46,11 +48,7 @@ RECORD_KEY = "time_budget"  # in RUN/run.json
 
 def read_record(out: str) -> dict[str, Any] | None:
     """The decision recorded in RUN/run.json, or None (none yet, no readable run.json, or a record not whole)."""
-    try:
-        with open(os.path.join(out, "run.json")) as f:
-            rec = json.load(f).get(RECORD_KEY)
-    except (OSError, ValueError, AttributeError):
-        return None
+    rec = (run_marker(out) or {}).get(RECORD_KEY)
 
     def number(x) -> bool:
         return isinstance(x, (int, float)) and not isinstance(x, bool) and 0 < x < math.inf
