@@ -11,10 +11,12 @@ Per shape:
   * step b1: one token of one sequence after --context tokens (the target alone in `dflash eval`);
   * verify 16: a block of 16 tokens of one sequence (the verify of a drafted block);
   * decode bN: one token for each of N sequences of --context tokens each (regenerate's batched step), as tokens/s;
-each in the modes of --modes: eager, graph (the static decoder's step, its layers the HF modules) and fused (its
-layers through two compiled functions, the pointwise work fused: StaticDecoder(fused=True)); with --mixed LO-HI
-the batched steps also with row lengths uniform in [LO, HI] (the bound then counts each row's own columns, while the
-step attends over the longest row's);
+each in the modes of --modes: eager, graph (the static decoder's step, its layers the HF modules), fused (its
+layers through two compiled functions, the pointwise work fused: StaticDecoder(fused=True), the batched step over
+the span) and varlen (fused, the batched step reading each row's own columns with flash attention's
+variable-length kernel: regenerate's default on a GPU; batched steps only); with --mixed LO-HI the batched steps
+also with row lengths uniform in [LO, HI] (the bound then counts each row's own columns, while the spanned step
+attends over the longest row's);
 each with the bound = (weight bytes + KV bytes read) / --bandwidth (the H200's ~4.8 TB/s): a step cannot be
 faster than reading its weights and its KV cache once. `x bound` = measured / bound.
 """
@@ -97,12 +99,15 @@ def eager_step(m, context: int, q: int):
     return fn
 
 
-def graph_step(m, batch: int, context: int, q: int, fused: bool = False, lengths: list[int] | None = None):
-    """A step of the static decoder after `context` tokens per row (or each row's own of `lengths`)."""
+def graph_step(m, batch: int, context: int, q: int, fused: bool = False, lengths: list[int] | None = None,
+               varlen: bool = False):
+    """A step of the static decoder after `context` tokens per row (or each row's own of `lengths`); varlen: a batched
+    one-token step reads each row's own columns (flash attention's variable-length kernel), else the span's."""
     dev = next(m.parameters()).device
     lengths = lengths or [context] * batch
     longest = max(lengths)
-    dec = StaticDecoder(m, slots=batch, max_len=longest + 16, max_q=max(q, 1), fused=fused)
+    dec = StaticDecoder(m, slots=batch, max_len=longest + 16, max_q=max(q, 1), fused=fused, varlen=varlen)
+    assert dec.varlen == varlen, "the variable-length kernel does not run here (see the decoder's note)"
     ids = torch.randint(0, m.config.vocab_size, (batch, longest), device=dev)
     lens = torch.tensor(lengths, device=dev)
     for lo in range(0, batch, 64):  # the prompts into their slots, in chunks
@@ -131,27 +136,30 @@ def run(shape: str, args, dev) -> list[dict]:
 
     c = args.context
     modes = args.modes.split(",")
-    graphs = [(mode, mode == "fused") for mode in modes if mode in ("graph", "fused")]
+    graphs = [(mode, mode in ("fused", "varlen")) for mode in modes if mode in ("graph", "fused", "varlen")]
     if "eager" in modes:
         add("step b1", "eager", timed(eager_step(m, c, 1), args.iters), 1, c)
     for mode, fused in graphs:
-        add("step b1", mode, timed(graph_step(m, 1, c, 1, fused), args.iters), 1, c)
+        if mode != "varlen":  # one row: the same step as fused (varlen reads rows of VARLEN_MIN_ROWS or more)
+            add("step b1", mode, timed(graph_step(m, 1, c, 1, fused), args.iters), 1, c)
     if "eager" in modes:
         add("verify 16", "eager", timed(eager_step(m, c, 16), args.iters), 16, c + 16)
     for mode, fused in graphs:
-        add("verify 16", mode, timed(graph_step(m, 1, c, 16, fused), args.iters), 16, c + 16)
+        if mode != "varlen":
+            add("verify 16", mode, timed(graph_step(m, 1, c, 16, fused), args.iters), 16, c + 16)
     for b in args.batches:
         if shape != "recipe" and b > 256:
             continue  # 8B shape: 256 x 512 tokens of KV is already 19 GB
         for mode, fused in graphs:
-            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused), args.iters), b, b * c)
+            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused, varlen=mode == "varlen"), args.iters), b,
+                b * c)
             torch.cuda.empty_cache()
         if args.mixed:  # rows of unequal lengths: every row attends over the longest row's columns
             lo, hi = (int(x) for x in args.mixed.split("-"))
             g = torch.Generator().manual_seed(0)
             lengths = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
             for mode, fused in graphs:
-                fn = graph_step(m, b, c, 1, fused, lengths)
+                fn = graph_step(m, b, c, 1, fused, lengths, varlen=mode == "varlen")
                 add(f"decode b{b} mixed {lo}-{hi}", mode, timed(fn, args.iters), b, sum(lengths))
                 torch.cuda.empty_cache()
     del m
@@ -165,9 +173,10 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256,1024", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--modes", default="eager,graph,fused",
+    ap.add_argument("--modes", default="eager,graph,fused,varlen",
                     help="eager (HF forward), graph (StaticDecoder, its layers the HF modules), fused (its layers "
-                         "through the compiled functions, fused_layers)")
+                         "through the compiled functions, fused_layers, the batched step over the span), varlen "
+                         "(fused, the batched step reading each row's own columns: regenerate's default on a GPU)")
     ap.add_argument("--mixed", help="LO-HI: also the batched steps with row lengths uniform in [LO, HI] (seeded)")
     ap.add_argument("--bandwidth", type=float, default=4.8, help="HBM bandwidth in TB/s (the H200's datasheet)")
     ap.add_argument("--json")

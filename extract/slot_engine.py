@@ -223,11 +223,12 @@ class SlotEngine:
         n = self._width()
         live = np.flatnonzero(self._busy[:n])
         end = int(self.pos[live].max()) + 1
-        self._start[:n].copy_(torch.from_numpy(self.pos[:n]), non_blocking=True)
+        start = self.pos[:n]  # a free slot's position is 0: its step writes and reads that column only
+        self._start[:n].copy_(torch.from_numpy(start), non_blocking=True)
         with decode_sdpa():
             logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end)
-        span = self.dec.span_for(end)
-        self.decode_columns += n * span
+        # the columns the step reads: each row's own (the decoder's variable-length attention), else the span's
+        self.decode_columns += int(start.sum()) + n if self.dec.varlen_step(n, 1) else n * self.dec.span_for(end)
         self._decode_real += int(self.pos[live].sum()) + len(live)
         self.last[:n] = self._sample(logits[:, 0].float(), self.slot_rows[:n])
         self.steps += 1

@@ -184,6 +184,38 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
     assert st.dec.captures == captured
 
 
+def test_varlen_batched_steps_on_the_gpu_equal_the_spanned_ones(assets):
+    """On a GPU in bf16, a batched one-token step reads each row's own columns with flash attention's
+    variable-length kernel (the default where it runs): captured in a CUDA graph, fused, it gives the spanned step's
+    logits and hidden states for rows of very unequal lengths whose slots hold stale columns past them."""
+    import random
+
+    from dflash.core import static_decode as sd
+    from dflash.core.static_decode import StaticDecoder
+    from dflash.core.target import load_causal_lm
+
+    _, target, _ = assets
+    m = load_causal_lm(target, device=torch.device("cuda:0"), dtype=torch.bfloat16).eval()
+    V, n = m.config.vocab_size, 24
+    rng = random.Random(5)
+    lens = [rng.randrange(1, 300) for _ in range(n)]
+    ids = torch.randint(3, V, (n, max(lens)), generator=torch.Generator().manual_seed(1)).cuda()
+    decs = [StaticDecoder(m, slots=n, max_len=320, layer_ids=[1, 3], bucket=64, varlen=on) for on in (None, False)]
+    assert decs[0].varlen and decs[0].varlen_step(n, 1) and decs[0].fused and not decs[1].varlen
+    for d in decs:
+        d.prefill(torch.randint(3, V, (n, 310), device="cuda"), torch.arange(n, device="cuda"))
+        d.prefill(ids, torch.arange(n, device="cuda"), torch.tensor(lens, device="cuda"))
+    pos = torch.tensor(lens, device="cuda")
+    for t in range(40):  # crosses span buckets
+        step = torch.randint(3, V, (n, 1), generator=torch.Generator().manual_seed(t)).cuda()
+        (a, ha), (b, hb) = (d.step(step, pos, int(pos.max()) + 1) for d in decs)
+        torch.testing.assert_close(a.float(), b.float(), atol=6e-2, rtol=5e-2)
+        torch.testing.assert_close(ha.float(), hb.float(), atol=6e-2, rtol=5e-2)
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.9
+        pos = pos + 1
+    assert decs[0].captures >= 2 and sd.varlen_available(torch.device("cuda:0"), torch.bfloat16, 128)
+
+
 def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):
     """DFlash2Proposer(graph=True): StaticDraft2's step, the selector's greedy pass included, captured once as one
     CUDA graph and replayed (graph_status "graph"); every draft of a decoding is the eager step's, in float32, and

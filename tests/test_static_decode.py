@@ -84,6 +84,60 @@ def test_prefill_and_steps_equal_the_hf_forward(tiny, fused):
         torch.testing.assert_close(hidden[r], ref_hidden[p:p + 3], atol=1e-4, rtol=1e-4)
 
 
+def flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, debug, *, scale, seqused_k):
+    """What torch's flash-attention forward computes with variable lengths (its CUDA kernel's contract): sequence b
+    is queries q[cu_q[b]:cu_q[b+1]] against keys and values k, v[cu_k[b] : cu_k[b] + seqused_k[b]], non-causal
+    here; q, k, v [total, heads, D]. A CPU stand-in, so the decoder's lengths and offsets are checked without a
+    GPU (tests/test_gpu.py runs the kernel itself)."""
+    assert dropout == 0.0 and not causal and q.shape[1] == k.shape[1] == 1
+    out = torch.empty_like(q)
+    for b in range(len(cu_q) - 1):
+        qs, n_k = q[cu_q[b]:cu_q[b + 1], 0].float(), int(seqused_k[b])
+        assert 1 <= n_k <= max_k and cu_q[b + 1] - cu_q[b] <= max_q and int(cu_k[b]) + n_k <= k.shape[0]
+        ks, vs = k[cu_k[b]:cu_k[b] + n_k, 0].float(), v[cu_k[b]:cu_k[b] + n_k, 0].float()
+        out[cu_q[b]:cu_q[b + 1], 0] = (torch.softmax(qs @ ks.T * scale, -1) @ vs).to(q.dtype)
+    flash_varlen_reference.calls += 1
+    return out, None, None, None, None
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.cxx)], ids=["modules", "fused"])
+def test_a_batched_step_reading_each_rows_own_columns_equals_the_spanned_one(tiny, fused, monkeypatch):
+    """A one-token step over >= VARLEN_MIN_ROWS rows (regenerate's decode) can read each row's own columns through
+    the variable-length kernel: the same logits and hidden states as the step over the span, for rows of very
+    unequal lengths, with stale columns past each row's length (a row that was longer before) never read."""
+    from dflash.core import static_decode as sd
+
+    flash_varlen_reference.calls = 0
+    monkeypatch.setattr(sd, "_flash_varlen", flash_varlen_reference)
+    m = tiny["model"]
+    V = m.config.vocab_size
+    n = sd.VARLEN_MIN_ROWS + 1
+    rng = random.Random(3)
+    lens = [rng.randrange(1, 40) for _ in range(n)]
+    ids = torch.tensor([[rng.randrange(3, V) for _ in range(max(lens))] for _ in range(n)])
+    decs = [StaticDecoder(m, slots=n + 2, max_len=64, layer_ids=[1], bucket=16, fused=fused, varlen=on)
+            for on in (True, False)]
+    assert decs[0].varlen_step(n, 1) and not decs[0].varlen_step(n - 2, 1) and not decs[0].varlen_step(n, 2)
+    assert not decs[1].varlen_step(n, 1)
+    for d in decs:
+        d.prefill(torch.randint(3, V, (n, 60)), torch.arange(n))  # stale columns: every slot filled to 60 first
+        d.prefill(ids, torch.arange(n), torch.tensor(lens))
+    pos, seqs = torch.tensor(lens), [ids[r, :lens[r]].tolist() for r in range(n)]
+    for t in range(3):
+        step = torch.randint(3, V, (n, 1), generator=torch.Generator().manual_seed(t))
+        (a, ha), (b, hb) = (d.step(step, pos, int(pos.max()) + 1) for d in decs)
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(ha, hb, atol=1e-4, rtol=1e-4)
+        for r in range(n):
+            seqs[r].append(int(step[r, 0]))
+        for r in (0, lens.index(min(lens)), lens.index(max(lens))):  # and both are the HF forward's
+            ref, ref_h = hf_outputs(m, seqs[r], [1])
+            torch.testing.assert_close(a[r, 0], ref[-1], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(ha[r, 0], ref_h[-1], atol=1e-4, rtol=1e-4)
+        pos = pos + 1
+    assert flash_varlen_reference.calls == 3 * m.config.num_hidden_layers
+
+
 def test_stale_columns_past_the_confirmed_length_are_never_read(tiny):
     """A verify writes a whole block; after a rejection, the next step starts inside it and must see only the
     confirmed tokens, whatever the rejected ones were."""

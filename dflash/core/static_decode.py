@@ -14,6 +14,11 @@ step is captured once as a CUDA graph and replayed as one launch:
     first use (or all beforehand: prepare) and replayed after. Its attention is a plain softmax(q k^T) v with
     grouped query heads folded onto their KV head ([n, Hkv, G*q, D] against [n, Hkv, S, D]), so the cache is read
     in place, never repeated per head (SDPA's masked kernels took ~45 us a layer for a one-token query on the H200);
+  * a batched one-token step on a GPU (regenerate's and prompts' decode: at least VARLEN_MIN_ROWS rows, bf16 or
+    fp16) reads each row's own columns only: flash attention's variable-length kernel with every (row, KV head) a
+    sequence of its own (its G query heads that sequence's G queries, its cache row a segment of the flat buffer,
+    its length start + 1: _varlen_attend). Rows of unequal lengths then cost their own columns, not the longest
+    row's bucket (the span);
   * a step is bound by its kernel count, not by bytes: q, k and v come from one matmul (the three projections
     stacked once, a copy of those weights), the rotary embedding of q and k is applied at once (rotate_half's sign
     folded into the sin table) and the norms use torch's rms_norm (bench/decode.py, BENCHMARKS.md "Decoding at
@@ -135,11 +140,89 @@ def _layer_post(x, g, k, v, mask, scaling: float, o_w, o_b, ln_w, eps: float, ga
     (the layer's whole buffers [slots, Hkv, max_len + 1, D]: sliced here, so that a step's inputs have the same layout
     whatever its span), the output projection, the residual, the gated MLP and its residual."""
     n, span = x.shape[0], mask.shape[-1]
-    x = x + torch.nn.functional.linear(_attend(g, k[:n, :, :span], v[:n, :, :span], mask, scaling, x.shape[1]),
-                                       o_w, o_b)
+    return _layer_out(x, _attend(g, k[:n, :, :span], v[:n, :, :span], mask, scaling, x.shape[1]), o_w, o_b, ln_w,
+                      eps, gate_w, up_w, down_w)
+
+
+def _layer_out(x, att, o_w, o_b, ln_w, eps: float, gate_w, up_w, down_w):
+    """A step's layer after its attention att [n, q, Hq * D]: the output projection, the residual, the gated MLP and
+    its residual."""
+    x = x + torch.nn.functional.linear(att, o_w, o_b)
     h = _rms(x, ln_w, eps)
     act = torch.nn.functional.silu(torch.nn.functional.linear(h, gate_w)) * torch.nn.functional.linear(h, up_w)
     return x + torch.nn.functional.linear(act, down_w)
+
+
+# A one-token step over at least this many rows reads each row's own columns (_varlen_attend); fewer rows (eval's
+# batch 1) keep _attend, whose span is then the row's own length rounded up to a bucket anyway.
+VARLEN_MIN_ROWS = 8
+
+
+def _varlen_lengths(start: torch.Tensor, n: int, kv_heads: int, groups: int, columns: int, span: int):
+    """The variable-length kernel's view of a one-token step over rows 0..n-1 at positions start [n]: sequence
+    b = row * kv_heads + head, its G queries from q offset b*G (cu_q), its keys at offset b * columns of the layer's
+    flat buffer (cu_k: row r's slot, head h's plane), the first start[r] + 1 of them its own (used; at most span: a
+    row past the step's `end` is not one the step serves, e.g. a free slot with a stale position). int32, as the
+    kernel takes them; computed once per step, on the device (inside a captured graph)."""
+    b = torch.arange(n * kv_heads + 1, dtype=torch.int32, device=start.device)
+    used = (start[:n] + 1).clamp(max=span).to(torch.int32).repeat_interleave(kv_heads)
+    return b * groups, b * columns, used
+
+
+def _varlen_attend(g, k, v, lengths, span: int, scaling: float):
+    """The attention of folded one-token queries g [n, Hkv, G, D] over each row's own first `used` columns of the
+    layer's whole buffers k, v [slots, Hkv, C, D] (contiguous: viewed flat as slots*Hkv sequences of C columns, one
+    head each), `lengths` = _varlen_lengths(..). span bounds every row's length. Returns [n, 1, Hq * D], head
+    kv*G + g, as _attend."""
+    n, Hk, G, D = g.shape
+    cu_q, cu_k, used = lengths
+    out = _flash_varlen(g.reshape(n * Hk * G, 1, D), k.view(-1, 1, D), v.view(-1, 1, D), cu_q, cu_k, G, span, 0.0,
+                        False, False, scale=scaling, seqused_k=used)[0]
+    return out.view(n, 1, Hk * G * D)
+
+
+def _flash_varlen(*args, **kwargs):
+    """torch's flash-attention forward (variable lengths: cu_seqlens, seqused_k), CUDA only."""
+    return torch.ops.aten._flash_attention_forward(*args, **kwargs)
+
+
+_VARLEN: dict[tuple, bool] = {}  # (device, dtype, head dim) -> whether _varlen_attend runs and agrees with _attend
+
+
+def varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this process's torch runs _varlen_attend on `device` for this dtype and head dim: a CUDA device, bf16
+    or fp16, and a first call of the kernel that gives _attend's output (checked once per process and kind; an
+    error or a mismatch turns it off, with a note, and the steps keep _attend)."""
+    key = (str(device), dtype, int(head_dim))
+    if key not in _VARLEN:
+        ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 \
+            and head_dim <= 256
+        if ok:
+            try:
+                ok = _varlen_check(device, dtype, head_dim)
+                why = "its output differs from the plain attention's"
+            except Exception as e:  # noqa: BLE001  (a torch without the kernel, or one that refuses these inputs)
+                ok, why = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+            if not ok:
+                print(f"static decoder: note: the variable-length attention is off ({why[:200]}); batched steps "
+                      "attend over the longest row's columns", flush=True)
+        _VARLEN[key] = ok
+    return _VARLEN[key]
+
+
+@torch.inference_mode()
+def _varlen_check(device, dtype, D: int) -> bool:
+    """_varlen_attend against _attend on random rows of unequal lengths (2 KV heads of 3 query heads each)."""
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    n, Hk, G, C = 5, 2, 3, 97
+    g = torch.randn(n, Hk, G, D, generator=gen).to(device, dtype)
+    k, v = (torch.randn(n + 2, Hk, C, D, generator=gen).to(device, dtype) for _ in range(2))
+    start = torch.tensor([0, 5, 95, 40, 63], device=device)
+    span = 96
+    mask = (torch.arange(span, device=device)[None] <= start[:, None])[:, None, None].expand(n, 1, G, span)
+    want = _attend(g, k[:n, :, :span], v[:n, :, :span], mask, 0.125, 1)
+    got = _varlen_attend(g, k, v, _varlen_lengths(start, n, Hk, G, C, span), span, 0.125)
+    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
 
 
 _FUSED = None
@@ -175,12 +258,13 @@ def _fused_failed(e: Exception) -> None:
 
 
 def fused_layers():
-    """(pre, post): _layer_pre and _layer_post through torch.compile, built once per process. The weights are
+    """(pre, post, out): _layer_pre, _layer_post and _layer_out (post without its attention) through torch.compile, built once per process. The weights are
     arguments, so one compiled graph serves every layer; the shapes (rows, tokens, columns, positions) are
     symbolic, so no bucket, batch size or decoder size compiles again (FUSED_RECOMPILE_LIMIT)."""
     global _FUSED
     if _FUSED is None:
-        _FUSED = tuple(_limited(torch.compile(f, fullgraph=True, dynamic=True)) for f in (_layer_pre, _layer_post))
+        _FUSED = tuple(_limited(torch.compile(f, fullgraph=True, dynamic=True))
+                       for f in (_layer_pre, _layer_post, _layer_out))
     return _FUSED
 
 
@@ -192,7 +276,7 @@ class StaticDecoder:
     output of decoder layer i, the last layer after the final norm, as dflash.core.target.LayerCapture does)."""
 
     def __init__(self, model, slots: int, max_len: int, layer_ids: list[int] | None = None, bucket: int = 256,
-                 graphs: bool = True, max_q: int = 16, fused: bool | None = None):
+                 graphs: bool = True, max_q: int = 16, fused: bool | None = None, varlen: bool | None = None):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the static decoder cannot run this model: {why}")
@@ -227,6 +311,9 @@ class StaticDecoder:
         fused = self.device.type == "cuda" if fused is None else fused
         self.fused = bool(fused) and fusable(self.layers, cfg) is None and _FUSED_FAILED is None
         self.graphs_on = graphs and self.device.type == "cuda"
+        # batched one-token steps read each row's own columns (_varlen_attend; None: where the kernel runs, checked
+        # once per process; True forces it, for tests that give _flash_varlen a reference on a CPU)
+        self.varlen = varlen_available(self.device, self.dtype, self.head_dim) if varlen is None else bool(varlen)
         self._graphs: dict[tuple[int, int, int, bool], tuple] = {}  # (n, q, span, all logits) -> graph
         self._pool = None
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
@@ -290,10 +377,15 @@ class StaticDecoder:
         self.k[i][r, :, cols] = ks  # advanced indices first: [n, q, Hk, D]
         self.v[i][r, :, cols] = vs
 
+    def varlen_step(self, n: int, q: int) -> bool:
+        """Whether a step of n rows of q tokens reads each row's own columns (_varlen_attend) rather than span."""
+        return self.varlen and q == 1 and n >= VARLEN_MIN_ROWS
+
     def _attention(self, i: int, layer, x: torch.Tensor, cos, sin, rows, start, span: int | None, cols, mask):
         """Self-attention of layer i for x [n, q, H] at positions start[r]+j. span=None: a prefill (rows' columns
         0..q-1, causal within x); else a step over the first `span` columns of the cache (cols [n, q]: the columns
-        the step writes; mask [n, 1, G*q, span]: what each folded query row sees)."""
+        the step writes; mask [n, 1, G*q, span]: what each folded query row sees, or a varlen step's lengths
+        (_varlen_lengths) in its place)."""
         a = layer.self_attn
         n, q, _ = x.shape
         w, b = self._qkv[i]
@@ -307,22 +399,28 @@ class StaticDecoder:
             out = out.transpose(1, 2).reshape(n, q, -1)
         else:
             self._write_step(i, ks, vs, cols)
-            out = _attend(_fold(qs, self.kv_heads), self.k[i][:n, :, :span], self.v[i][:n, :, :span], mask,
-                          a.scaling, q)
+            if isinstance(mask, tuple):
+                out = _varlen_attend(_fold(qs, self.kv_heads), self.k[i], self.v[i], mask, span, a.scaling)
+            else:
+                out = _attend(_fold(qs, self.kv_heads), self.k[i][:n, :, :span], self.v[i][:n, :, :span], mask,
+                              a.scaling, q)
         return a.o_proj(out)
 
     def _fused_layer(self, i: int, layer, x: torch.Tensor, cos, sin, span: int, cols, mask) -> torch.Tensor:
         """Decoder layer i of a step through the compiled functions (fused_layers): what _attention and the HF MLP
         compute, the cache written between the two halves."""
         a, mlp = layer.self_attn, layer.mlp
-        pre, post = fused_layers()
+        pre, post, out = fused_layers()
         w, b = self._qkv[i]
         g, ks, vs = pre(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, w, b,
                         self._qk_norm(a), cos, sin, self.heads, self.kv_heads)
         self._write_step(i, ks, vs, cols)
-        return post(x, g, self.k[i], self.v[i], mask, a.scaling, a.o_proj.weight, a.o_proj.bias,
-                    layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                    mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+        rest = (a.o_proj.weight, a.o_proj.bias, layer.post_attention_layernorm.weight,
+                layer.post_attention_layernorm.variance_epsilon, mlp.gate_proj.weight, mlp.up_proj.weight,
+                mlp.down_proj.weight)
+        if isinstance(mask, tuple):  # a varlen step: the kernel between the compiled halves
+            return out(x, _varlen_attend(g, self.k[i], self.v[i], mask, span, a.scaling), *rest)
+        return post(x, g, self.k[i], self.v[i], mask, a.scaling, *rest)
 
     def _forward(self, ids, rows, start, span, keep):
         """(logits, hidden) for ids [n, q]; keep: the position per row whose logits to return ([n] tensor), or
@@ -333,8 +431,11 @@ class StaticDecoder:
         cols = mask = None
         if span is not None:
             cols = pos  # a row's tokens go to the columns of their positions
-            seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
-            mask = seen[:, None].expand(n, self.groups, q, span).reshape(n, 1, self.groups * q, span)
+            if self.varlen_step(n, q):
+                mask = _varlen_lengths(start, n, self.kv_heads, self.groups, self.k[0].shape[2], span)
+            else:
+                seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
+                mask = seen[:, None].expand(n, self.groups, q, span).reshape(n, 1, self.groups * q, span)
         x = self.base.embed_tokens(ids)
         H = self.hidden_size
         hidden = torch.empty(n, q, len(self.layer_ids) * H, dtype=self.dtype, device=ids.device) \
