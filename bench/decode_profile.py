@@ -1,5 +1,6 @@
 """Where a graph-captured decode step's time goes: the static decoder's step (dflash/core/static_decode.py) under
-torch.profiler, kernels by device time. `python bench/decode_profile.py --shape recipe --batch 1 --q 1`."""
+torch.profiler, kernels by device time. `python bench/decode_profile.py --shape recipe --batch 1 --q 1`;
+`--batch 1024 --fused --varlen --mixed 32-512`: regenerate's batched step (fused layers, each row's own columns)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--q", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--fused", action="store_true", help="the layers as compiled functions (a GPU's default)")
+    ap.add_argument("--varlen", action="store_true", help="a batched step reads each row's own columns")
+    ap.add_argument("--mixed", help="LO-HI: row lengths uniform in [LO, HI] (seeded) instead of --context each")
+    ap.add_argument("--rows", type=int, default=25, help="kernels listed")
     args = ap.parse_args()
     m = model_of(args.shape, torch.device("cuda"), torch.bfloat16)
-    fn = graph_step(m, args.batch, args.context, args.q)
+    lengths = None
+    if args.mixed:
+        lo, hi = (int(x) for x in args.mixed.split("-"))
+        lengths = torch.randint(lo, hi + 1, (args.batch,), generator=torch.Generator().manual_seed(0)).tolist()
+    fn = graph_step(m, args.batch, args.context, args.q, args.fused, lengths, varlen=args.varlen)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
@@ -34,7 +43,7 @@ def main() -> None:
         for _ in range(5):
             fn()
         torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25))
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the
     at once, so there is no compaction of a running batch and no copy of a cache per refill;
   * a decode step feeds every row of the first n slots its newest token at its own position; n is the highest
     busy slot + 1 rounded up to a power of two (>= 8), and the step attends over the busy rows' longest length
-    rounded up to the decoder's bucket: one graph per (n, bucket), captured on first use. When the queue is empty
+    rounded up to the decoder's bucket: one graph per (n, bucket), captured on first use. On a GPU a step whose
+    rows' own columns are under VARLEN_MAX_SHARE of that span reads only those (the decoder's variable-length
+    attention; a graph per (n, bucket) of that kind too). When the queue is empty
     and the busy rows fit half of n, the highest busy rows move down into free slots (one copy of those rows)
     so the tail of a run decodes a smaller batch;
   * the slots start with start_len positions and grow (doubling, one copy of the cache, the graphs captured
@@ -36,6 +38,10 @@ from .generate import Continuation, Engine, Request, Result, _Row, continue_row,
 from .sampling import sample, uniforms
 
 MIN_BATCH = 8
+# A decode step reads each row's own columns (StaticDecoder's variable-length attention) when they are fewer than
+# this share of the span's: rows of 64-2,048 tokens (~50% of the span) took 15.3 against 17.1 ms a step at 1,024
+# rows, rows of 512 each (100%) 10.4 against 8.9 (bench/decode.py --modes fused,varlen --mixed 64-2048, H200).
+VARLEN_MAX_SHARE = 0.7
 
 
 @dataclass
@@ -108,7 +114,7 @@ class SlotEngine:
                                prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
                                follow=follow)
         self.steps = self.prefills = self.generated = self.prompt_tokens = 0
-        self.prefill_columns = self.copied_columns = self.decode_columns = 0
+        self.prefill_columns = self.copied_columns = self.decode_columns = self.varlen_steps = 0
         self._decode_real = 0
         self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}
         self.dead = 0
@@ -225,10 +231,13 @@ class SlotEngine:
         end = int(self.pos[live].max()) + 1
         start = self.pos[:n]  # a free slot's position is 0: its step writes and reads that column only
         self._start[:n].copy_(torch.from_numpy(start), non_blocking=True)
+        # each row's own columns (the decoder's variable-length attention) where they are few enough of the span's
+        own, spanned = int(start.sum()) + n, n * self.dec.span_for(end)
+        varlen = self.dec.varlen_step(n, 1) and own < VARLEN_MAX_SHARE * spanned
         with decode_sdpa():
-            logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end)
-        # the columns the step reads: each row's own (the decoder's variable-length attention), else the span's
-        self.decode_columns += int(start.sum()) + n if self.dec.varlen_step(n, 1) else n * self.dec.span_for(end)
+            logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end, varlen=varlen)
+        self.decode_columns += own if varlen else spanned  # the columns the step reads
+        self.varlen_steps += varlen
         self._decode_real += int(self.pos[live].sum()) + len(live)
         self.last[:n] = self._sample(logits[:, 0].float(), self.slot_rows[:n])
         self.steps += 1

@@ -121,3 +121,33 @@ def test_the_slot_plan_fits_the_budget():
     assert plan_slots(cfg, None, batch_size=1024, max_batch_tokens=1_000) is None  # 8 slots of < 512: eager
     capped = plan_slots(cfg, None, batch_size=8, max_batch_tokens=10_000_000)
     assert capped.max_len == 2048  # never past the model's context
+
+
+def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model, monkeypatch):
+    """On a GPU a decode step whose rows' own columns are under VARLEN_MAX_SHARE of the span's reads only those
+    (the decoder's variable-length attention); rows of equal length keep the spanned step, faster there. Either
+    way the text is a single sequence's. The kernel's CPU stand-in: tests/test_static_decode.py."""
+    from dflash.core import static_decode as sd
+    from dflash.extract import slot_engine
+    from tests.test_static_decode import flash_varlen_reference
+
+    monkeypatch.setattr(sd, "varlen_available", lambda *a: True)
+    monkeypatch.setattr(sd, "_flash_varlen", flash_varlen_reference)
+    rng = random.Random(4)
+    V = model.config.vocab_size
+    mixed = [[rng.randrange(3, V) for _ in range(n)] for n in (2, 3, 40, 4, 5, 38, 2, 6, 3, 44, 2, 5)]
+    same = [[rng.randrange(3, V) for _ in range(24)] for _ in range(8)]  # columns 24-31 of 32: >= 78% of the span
+    for prompts, varlen in ((mixed, True), (same, False)):
+        eng = SlotEngine(model, eos_ids=set(), slots=16, max_len=64, prefill_tokens=1024, refill=1, bucket=16)
+        assert eng.dec.varlen
+        for i, p in enumerate(prompts):
+            eng.add(Request(p, 8, key=i, priority=(0, i)))
+        results, flash_varlen_reference.calls = {}, 0
+        while eng.busy:
+            for r in eng.step():
+                results[r.key] = r
+        assert (eng.varlen_steps > 0) == varlen and flash_varlen_reference.calls == \
+            eng.varlen_steps * model.config.num_hidden_layers
+        for i, p in enumerate(prompts):
+            assert results[i].tokens == _reference(model, p, 8, set())[0], f"prompt {i}"
+    assert slot_engine.VARLEN_MAX_SHARE < 25 / 32

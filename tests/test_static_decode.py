@@ -232,7 +232,7 @@ def test_a_fused_layer_that_fails_to_compile_falls_back_to_the_modules_once(tiny
     def broken(error):
         def call(*args):
             raise error
-        return lambda: (call, call)
+        return lambda: (call, call, call)
 
     ref = StaticDecoder(m, slots=2, max_len=32, bucket=8, fused=False)
     ref.prefill(ids[:, :8], torch.tensor([0, 1]))

@@ -314,7 +314,7 @@ class StaticDecoder:
         # batched one-token steps read each row's own columns (_varlen_attend; None: where the kernel runs, checked
         # once per process; True forces it, for tests that give _flash_varlen a reference on a CPU)
         self.varlen = varlen_available(self.device, self.dtype, self.head_dim) if varlen is None else bool(varlen)
-        self._graphs: dict[tuple[int, int, int, bool], tuple] = {}  # (n, q, span, all logits) -> graph
+        self._graphs: dict[tuple[int, int, int, bool, bool], tuple] = {}  # (n, q, span, all logits, varlen) -> graph
         self._pool = None
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
         self._start = torch.zeros(self.slots, dtype=torch.long, device=self.device)
@@ -422,16 +422,16 @@ class StaticDecoder:
             return out(x, _varlen_attend(g, self.k[i], self.v[i], mask, span, a.scaling), *rest)
         return post(x, g, self.k[i], self.v[i], mask, a.scaling, *rest)
 
-    def _forward(self, ids, rows, start, span, keep):
+    def _forward(self, ids, rows, start, span, keep, varlen: bool = False):
         """(logits, hidden) for ids [n, q]; keep: the position per row whose logits to return ([n] tensor), or
-        None for all positions."""
+        None for all positions; varlen: a step that reads each row's own columns (step() decides)."""
         n, q = ids.shape
         pos = start[:, None] + torch.arange(q, device=ids.device)[None]
         cos, sin = self.cos[pos], self.sin[pos]
         cols = mask = None
         if span is not None:
             cols = pos  # a row's tokens go to the columns of their positions
-            if self.varlen_step(n, q):
+            if varlen:
                 mask = _varlen_lengths(start, n, self.kv_heads, self.groups, self.k[0].shape[2], span)
             else:
                 seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
@@ -476,25 +476,29 @@ class StaticDecoder:
         return min(self.max_len, -(-end // self.bucket) * self.bucket)
 
     @torch.inference_mode()
-    def step(self, ids: torch.Tensor, start: torch.Tensor, end: int, all_logits: bool = True):
+    def step(self, ids: torch.Tensor, start: torch.Tensor, end: int, all_logits: bool = True,
+             varlen: bool | None = None):
         """Tokens ids [n, q] for slots 0..n-1 at positions start[r].. (start: [n] long tensor on the device);
-        `end` bounds every row's start + q (it picks the bucket). Returns (logits [n, q, V] or, with
-        all_logits=False, [n, 1, V] of each row's last token, hidden [n, q, K*H] or None): static buffers on a GPU,
-        valid until the next step."""
+        `end` bounds every row's start + q (it picks the bucket). varlen: whether a step that can read each row's own
+        columns does (varlen_step; None: it does; False: the caller knows the rows' lengths are close to the span's,
+        where the spanned attention is faster). Returns (logits [n, q, V] or, with all_logits=False, [n, 1, V] of
+        each row's last token, hidden [n, q, K*H] or None): static buffers on a GPU, valid until the next step."""
         n, q = ids.shape
         if end > self.max_len:
             raise ValueError(f"a step up to position {end} does not fit the decoder's {self.max_len} positions")
         span = self.span_for(end)
+        varlen = self.varlen_step(n, q) and varlen is not False
         self.shapes.add((n, q, span, all_logits))
         if not self.graphs_on:
-            return self._forward_or_fall_back(ids, start, span, None if all_logits else start.new_full((n,), q - 1))
+            return self._forward_or_fall_back(ids, start, span, None if all_logits else start.new_full((n,), q - 1),
+                                              varlen)
         if q > self._ids.shape[1]:
             raise ValueError(f"a step of {q} tokens per row is more than the decoder's max_q ({self._ids.shape[1]})")
         self._ids[:n, :q].copy_(ids)
         self._start[:n].copy_(start)
-        g = self._graphs.get((n, q, span, all_logits))
+        g = self._graphs.get((n, q, span, all_logits, varlen))
         if g is None:
-            g = self._capture(n, q, span, all_logits)
+            g = self._capture(n, q, span, all_logits, varlen)
         g[0].replay()
         return g[1], g[2]
 
@@ -515,21 +519,21 @@ class StaticDecoder:
                 count += 1
         return count
 
-    def _forward_or_fall_back(self, ids, start, span, keep):
+    def _forward_or_fall_back(self, ids, start, span, keep, varlen: bool = False):
         """_forward of a step, run where the fused layers may compile (never inside a capture). Should their compilation
         fail (a torch or compiler error, not ours), this process decodes with the HF modules' layers from then on,
         slower but the same arithmetic, and says so once: a decode that runs beats one that stops. The step's keys
         and values are written again, the same at the same columns."""
         try:
-            return self._forward(ids, None, start, span, keep)
+            return self._forward(ids, None, start, span, keep, varlen)
         except Exception as e:  # noqa: BLE001  (only the compiler's own errors are caught: below)
             if not self.fused or not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
             _fused_failed(e)
             self.fused = False
-            return self._forward(ids, None, start, span, keep)
+            return self._forward(ids, None, start, span, keep, varlen)
 
-    def _capture(self, n: int, q: int, span: int, all_logits: bool):
+    def _capture(self, n: int, q: int, span: int, all_logits: bool, varlen: bool):
         """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers: the
         warm-up run writes the keys and values this very step writes (the same values at the same places), so no
         slot's cache needs saving around it."""
@@ -538,16 +542,16 @@ class StaticDecoder:
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward_or_fall_back(ids, start, span, keep)
+            self._forward_or_fall_back(ids, start, span, keep, varlen)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden = self._forward(ids, None, start, span, keep)
+            logits, hidden = self._forward(ids, None, start, span, keep, varlen)
         self.captures += 1
         entry = (graph, logits, hidden)
-        self._graphs[(n, q, span, all_logits)] = entry
+        self._graphs[(n, q, span, all_logits, varlen)] = entry
         return entry
 
     @torch.inference_mode()
