@@ -13,10 +13,10 @@ Per shape:
   * decode bN: one token for each of N sequences of --context tokens each (regenerate's batched step), as tokens/s;
 each in the modes of --modes: eager, graph (the static decoder's step, its layers the HF modules), fused (its
 layers through two compiled functions, the pointwise work fused: StaticDecoder(fused=True), the batched step over
-the span) and varlen (fused, the batched step reading each row's own columns with flash attention's
-variable-length kernel: regenerate's default on a GPU; batched steps only); with --mixed LO-HI the batched steps
-also with row lengths uniform in [LO, HI] (the bound then counts each row's own columns, while the spanned step
-attends over the longest row's);
+the span) and triton / flash (fused, the batched step reading each row's own columns with dflash's Triton decode
+kernel or flash attention's variable-length kernel: regenerate takes the faster; batched steps only); with --mixed
+LO-HI the batched steps also with row lengths uniform in [LO, HI] (the bound then counts each row's own columns,
+while the spanned step attends over the longest row's);
 each with the bound = (weight bytes + KV bytes read) / --bandwidth (the H200's ~4.8 TB/s): a step cannot be
 faster than reading its weights and its KV cache once. `x bound` = measured / bound.
 """
@@ -100,14 +100,14 @@ def eager_step(m, context: int, q: int):
 
 
 def graph_step(m, batch: int, context: int, q: int, fused: bool = False, lengths: list[int] | None = None,
-               varlen: bool = False):
+               varlen: str | bool = False):
     """A step of the static decoder after `context` tokens per row (or each row's own of `lengths`); varlen: a batched
-    one-token step reads each row's own columns (flash attention's variable-length kernel), else the span's."""
+    one-token step reads each row's own columns with that kernel ("triton" or "flash"), else (False) the span's."""
     dev = next(m.parameters()).device
     lengths = lengths or [context] * batch
     longest = max(lengths)
     dec = StaticDecoder(m, slots=batch, max_len=longest + 16, max_q=max(q, 1), fused=fused, varlen=varlen)
-    assert dec.varlen == varlen, "the variable-length kernel does not run here (see the decoder's note)"
+    assert dec.varlen_kernel == (varlen or None)
     ids = torch.randint(0, m.config.vocab_size, (batch, longest), device=dev)
     lens = torch.tensor(lengths, device=dev)
     for lo in range(0, batch, 64):  # the prompts into their slots, in chunks
@@ -136,30 +136,31 @@ def run(shape: str, args, dev) -> list[dict]:
 
     c = args.context
     modes = args.modes.split(",")
-    graphs = [(mode, mode in ("fused", "varlen")) for mode in modes if mode in ("graph", "fused", "varlen")]
+    kernels = ("triton", "flash")
+    graphs = [(mode, mode != "graph") for mode in modes if mode in ("graph", "fused") + kernels]
     if "eager" in modes:
         add("step b1", "eager", timed(eager_step(m, c, 1), args.iters), 1, c)
     for mode, fused in graphs:
-        if mode != "varlen":  # one row: the same step as fused (varlen reads rows of VARLEN_MIN_ROWS or more)
+        if mode not in kernels:  # one row: the same step as fused (a kernel reads rows of VARLEN_MIN_ROWS or more)
             add("step b1", mode, timed(graph_step(m, 1, c, 1, fused), args.iters), 1, c)
     if "eager" in modes:
         add("verify 16", "eager", timed(eager_step(m, c, 16), args.iters), 16, c + 16)
     for mode, fused in graphs:
-        if mode != "varlen":
+        if mode not in kernels:
             add("verify 16", mode, timed(graph_step(m, 1, c, 16, fused), args.iters), 16, c + 16)
     for b in args.batches:
         if shape != "recipe" and b > 256:
             continue  # 8B shape: 256 x 512 tokens of KV is already 19 GB
         for mode, fused in graphs:
-            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused, varlen=mode == "varlen"), args.iters), b,
-                b * c)
+            kernel = mode if mode in kernels else False
+            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused, varlen=kernel), args.iters), b, b * c)
             torch.cuda.empty_cache()
         if args.mixed:  # rows of unequal lengths: every row attends over the longest row's columns
             lo, hi = (int(x) for x in args.mixed.split("-"))
             g = torch.Generator().manual_seed(0)
             lengths = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
             for mode, fused in graphs:
-                fn = graph_step(m, b, c, 1, fused, lengths, varlen=mode == "varlen")
+                fn = graph_step(m, b, c, 1, fused, lengths, varlen=mode if mode in kernels else False)
                 add(f"decode b{b} mixed {lo}-{hi}", mode, timed(fn, args.iters), b, sum(lengths))
                 torch.cuda.empty_cache()
     del m
@@ -173,10 +174,11 @@ def main() -> None:
     ap.add_argument("--batches", default="64,256,1024", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--iters", type=int, default=30)
-    ap.add_argument("--modes", default="eager,graph,fused,varlen",
+    ap.add_argument("--modes", default="eager,graph,fused,triton,flash",
                     help="eager (HF forward), graph (StaticDecoder, its layers the HF modules), fused (its layers "
-                         "through the compiled functions, fused_layers, the batched step over the span), varlen "
-                         "(fused, the batched step reading each row's own columns: regenerate's default on a GPU)")
+                         "through the compiled functions, fused_layers, the batched step over the span), triton / "
+                         "flash (fused, the batched step reading each row's own columns with that kernel: "
+                         "regenerate's default on a GPU is the faster of the two)")
     ap.add_argument("--mixed", help="LO-HI: also the batched steps with row lengths uniform in [LO, HI] (seeded)")
     ap.add_argument("--bandwidth", type=float, default=4.8, help="HBM bandwidth in TB/s (the H200's datasheet)")
     ap.add_argument("--json")

@@ -1,6 +1,7 @@
 """Where a graph-captured decode step's time goes: the static decoder's step (dflash/core/static_decode.py) under
 torch.profiler, kernels by device time. `python bench/decode_profile.py --shape recipe --batch 1 --q 1`;
-`--batch 1024 --fused --varlen --mixed 32-512`: regenerate's batched step (fused layers, each row's own columns)."""
+`--batch 1024 --fused --varlen triton --mixed 32-512`: regenerate's batched step (fused layers, each row's own
+columns read by that kernel: triton or flash)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def main() -> None:
     ap.add_argument("--q", type=int, default=1)
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--fused", action="store_true", help="the layers as compiled functions (a GPU's default)")
-    ap.add_argument("--varlen", action="store_true", help="a batched step reads each row's own columns")
+    ap.add_argument("--varlen", choices=["triton", "flash"], help="a batched step reads each row's own columns with "
+                    "this kernel (else it attends over the span)")
     ap.add_argument("--mixed", help="LO-HI: row lengths uniform in [LO, HI] (seeded) instead of --context each")
     ap.add_argument("--rows", type=int, default=25, help="kernels listed")
     args = ap.parse_args()
@@ -31,7 +33,7 @@ def main() -> None:
     if args.mixed:
         lo, hi = (int(x) for x in args.mixed.split("-"))
         lengths = torch.randint(lo, hi + 1, (args.batch,), generator=torch.Generator().manual_seed(0)).tolist()
-    fn = graph_step(m, args.batch, args.context, args.q, args.fused, lengths, varlen=args.varlen)
+    fn = graph_step(m, args.batch, args.context, args.q, args.fused, lengths, varlen=args.varlen or False)
     for _ in range(3):
         fn()
     torch.cuda.synchronize()

@@ -311,7 +311,8 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
             print0(f"regenerate: engine work: prefills ran {eng['prefill_columns']:,} columns for "
                    f"{eng['prompt_tokens']:,} prompt tokens (the rest is {pad}); decode steps read "
                    f"{eng['decode_columns']:,} cache columns ({eng.get('varlen_steps', 0):,} steps each row's own "
-                   f"columns only), {eng['decode_real_columns']:,} of them real tokens "
+                   f"columns only{', ' + eng['varlen_kernel'] + ' kernel' if eng.get('varlen_kernel') else ''}), "
+                   f"{eng['decode_real_columns']:,} of them real tokens "
                    f"({eng['decode_real_columns'] / max(1, eng['decode_columns']):.0%}); {copies} copied "
                    f"{eng['copied_columns']:,} token columns "
                    f"({eng['copied_columns'] * eng['kv_bytes_per_token'] / 1e9:,.1f} GB of KV cache)")
@@ -502,6 +503,7 @@ def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, sho
                        "copied_columns": eng.copied_columns, "decode_columns": eng.decode_columns,
                        "decode_real_columns": eng.decode_real_columns, "continued_turns": eng.continued,
                        "varlen_steps": getattr(eng, "varlen_steps", 0),
+                       "varlen_kernel": eng.dec.varlen_kernel if isinstance(eng, SlotEngine) else None,
                        "continuation_tokens": eng.forced_tokens, "continuations_refused": eng.refused,
                        "batch_size": eng.batch_size, "max_batch_tokens": eng.max_batch_tokens,
                        "target_graph": isinstance(eng, SlotEngine),

@@ -131,7 +131,7 @@ def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model,
     from dflash.extract import slot_engine
     from tests.test_static_decode import flash_varlen_reference
 
-    monkeypatch.setattr(sd, "varlen_available", lambda *a: True)
+    monkeypatch.setattr(sd, "varlen_kernel", lambda *a: "flash")
     monkeypatch.setattr(sd, "_flash_varlen", flash_varlen_reference)
     rng = random.Random(4)
     V = model.config.vocab_size

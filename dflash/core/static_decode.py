@@ -15,10 +15,11 @@ step is captured once as a CUDA graph and replayed as one launch:
     grouped query heads folded onto their KV head ([n, Hkv, G*q, D] against [n, Hkv, S, D]), so the cache is read
     in place, never repeated per head (SDPA's masked kernels took ~45 us a layer for a one-token query on the H200);
   * a batched one-token step on a GPU (regenerate's and prompts' decode: at least VARLEN_MIN_ROWS rows, bf16 or
-    fp16) reads each row's own columns only: flash attention's variable-length kernel with every (row, KV head) a
-    sequence of its own (its G query heads that sequence's G queries, its cache row a segment of the flat buffer,
-    its length start + 1: _varlen_attend). Rows of unequal lengths then cost their own columns, not the longest
-    row's bucket (the span);
+    fp16) can read each row's own columns only (_varlen_attend), with dflash.core.decode_attention's Triton kernel
+    (a tile of the G query heads of a (row, KV head), the columns split when the rows are few) or flash
+    attention's variable-length kernel (every (row, KV head) a sequence of its own, its cache row a segment of the
+    flat buffer): each checked against _attend once per process, the faster of the two on this GPU taken
+    (varlen_kernel). Rows of unequal lengths then cost their own columns, not the longest row's bucket (the span);
   * a step is bound by its kernel count, not by bytes: q, k and v come from one matmul (the three projections
     stacked once, a copy of those weights), the rotary embedding of q and k is applied at once (rotate_half's sign
     folded into the sin table) and the norms use torch's rms_norm (bench/decode.py, BENCHMARKS.md "Decoding at
@@ -158,24 +159,35 @@ def _layer_out(x, att, o_w, o_b, ln_w, eps: float, gate_w, up_w, down_w):
 VARLEN_MIN_ROWS = 8
 
 
-def _varlen_lengths(start: torch.Tensor, n: int, kv_heads: int, groups: int, columns: int, span: int):
-    """The variable-length kernel's view of a one-token step over rows 0..n-1 at positions start [n]: sequence
-    b = row * kv_heads + head, its G queries from q offset b*G (cu_q), its keys at offset b * columns of the layer's
-    flat buffer (cu_k: row r's slot, head h's plane), the first start[r] + 1 of them its own (used; at most span: a
-    row past the step's `end` is not one the step serves, e.g. a free slot with a stale position). int32, as the
-    kernel takes them; computed once per step, on the device (inside a captured graph)."""
+VARLEN_KERNELS = ("triton", "flash")  # the kernels of a varlen step, in the order tried (decode_attention, flash's)
+
+
+def _varlen_lengths(kernel: str, start: torch.Tensor, n: int, kv_heads: int, groups: int, columns: int, span: int):
+    """What `kernel` needs to read each row's own columns in a one-token step over rows 0..n-1 at positions start [n]:
+    used[r] = start[r] + 1 columns of row r (at most span: a row past the step's `end` is not one the step serves,
+    e.g. a free slot with a stale position), int32. triton: (kernel, used). flash: sequence b = row * kv_heads +
+    head, its G queries from q offset b*G (cu_q), its keys at offset b * columns of the layer's flat buffer (cu_k:
+    row r's slot, head h's plane): (kernel, cu_q, cu_k, used per sequence). Computed once per step, on the device
+    (inside a captured graph)."""
+    used = (start[:n] + 1).clamp(max=span).to(torch.int32)
+    if kernel == "triton":
+        return kernel, used
     b = torch.arange(n * kv_heads + 1, dtype=torch.int32, device=start.device)
-    used = (start[:n] + 1).clamp(max=span).to(torch.int32).repeat_interleave(kv_heads)
-    return b * groups, b * columns, used
+    return kernel, b * groups, b * columns, used.repeat_interleave(kv_heads)
 
 
 def _varlen_attend(g, k, v, lengths, span: int, scaling: float):
     """The attention of folded one-token queries g [n, Hkv, G, D] over each row's own first `used` columns of the
-    layer's whole buffers k, v [slots, Hkv, C, D] (contiguous: viewed flat as slots*Hkv sequences of C columns, one
-    head each), `lengths` = _varlen_lengths(..). span bounds every row's length. Returns [n, 1, Hq * D], head
-    kv*G + g, as _attend."""
+    layer's whole buffers k, v [slots, Hkv, C, D] (read in place), with `lengths` = _varlen_lengths(kernel, ..):
+    triton, dflash.core.decode_attention's kernel; flash, flash attention's variable-length kernel over the
+    buffers viewed flat as slots*Hkv sequences of C columns, one head each. span bounds every row's length.
+    Returns [n, 1, Hq * D], head kv*G + g, as _attend."""
     n, Hk, G, D = g.shape
-    cu_q, cu_k, used = lengths
+    if lengths[0] == "triton":
+        from . import decode_attention
+
+        return decode_attention.attend(g, k, v, lengths[1], span, scaling).view(n, 1, Hk * G * D)
+    _, cu_q, cu_k, used = lengths
     out = _flash_varlen(g.reshape(n * Hk * G, 1, D), k.view(-1, 1, D), v.view(-1, 1, D), cu_q, cu_k, G, span, 0.0,
                         False, False, scale=scaling, seqused_k=used)[0]
     return out.view(n, 1, Hk * G * D)
@@ -186,43 +198,87 @@ def _flash_varlen(*args, **kwargs):
     return torch.ops.aten._flash_attention_forward(*args, **kwargs)
 
 
-_VARLEN: dict[tuple, bool] = {}  # (device, dtype, head dim) -> whether _varlen_attend runs and agrees with _attend
+_VARLEN: dict[tuple, str | None] = {}  # (device, dtype, head dim, G, KV heads) -> the varlen kernel (None: none)
 
 
-def varlen_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
-    """Whether this process's torch runs _varlen_attend on `device` for this dtype and head dim: a CUDA device, bf16
-    or fp16, and a first call of the kernel that gives _attend's output (checked once per process and kind; an
-    error or a mismatch turns it off, with a note, and the steps keep _attend)."""
-    key = (str(device), dtype, int(head_dim))
+def varlen_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, groups: int, kv_heads: int) -> str | None:
+    """The kernel this process's batched one-token steps read each row's own columns with, or None (they attend
+    over the span): on a CUDA device in bf16 or fp16, each of VARLEN_KERNELS that runs here and gives _attend's
+    output (checked once per process and shape); of two, the faster on a step of this shape (512 rows of 1-1,024
+    columns, timed once). A kernel that errs or differs is left out, with a note."""
+    key = (str(device), dtype, int(head_dim), int(groups), int(kv_heads))
     if key not in _VARLEN:
-        ok = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 \
-            and head_dim <= 256
-        if ok:
-            try:
-                ok = _varlen_check(device, dtype, head_dim)
-                why = "its output differs from the plain attention's"
-            except Exception as e:  # noqa: BLE001  (a torch without the kernel, or one that refuses these inputs)
-                ok, why = False, f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-            if not ok:
-                print(f"static decoder: note: the variable-length attention is off ({why[:200]}); batched steps "
-                      "attend over the longest row's columns", flush=True)
-        _VARLEN[key] = ok
+        ok = []
+        if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and head_dim % 8 == 0 \
+                and head_dim <= 256:
+            for kernel in VARLEN_KERNELS:
+                why = _varlen_unsupported(kernel, head_dim, groups)
+                if why is None:
+                    try:
+                        why = None if _varlen_check(kernel, device, dtype, head_dim, groups, kv_heads) else \
+                            "its output differs from the plain attention's"
+                    except Exception as e:  # noqa: BLE001  (a torch or Triton that refuses these inputs)
+                        why = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+                if why is None:
+                    ok.append(kernel)
+                elif kernel == "flash" or why != "no Triton in this install":
+                    print(f"static decoder: note: the {kernel} variable-length attention is off ({why[:200]})",
+                          flush=True)
+        if len(ok) > 1:
+            ok.sort(key=lambda kernel: _varlen_time(kernel, device, dtype, head_dim, groups, kv_heads))
+        _VARLEN[key] = ok[0] if ok else None
+        if not ok and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+            print("static decoder: note: no variable-length attention runs here; batched steps attend over the "
+                  "longest row's columns", flush=True)
     return _VARLEN[key]
 
 
-@torch.inference_mode()
-def _varlen_check(device, dtype, D: int) -> bool:
-    """_varlen_attend against _attend on random rows of unequal lengths (2 KV heads of 3 query heads each)."""
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    n, Hk, G, C = 5, 2, 3, 97
+def _varlen_unsupported(kernel: str, head_dim: int, groups: int) -> str | None:
+    if kernel == "triton":
+        from . import decode_attention
+
+        return decode_attention.supported(head_dim, groups)
+    return None
+
+
+def _varlen_inputs(device, dtype, D: int, G: int, Hk: int, n: int, C: int, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
     g = torch.randn(n, Hk, G, D, generator=gen).to(device, dtype)
     k, v = (torch.randn(n + 2, Hk, C, D, generator=gen).to(device, dtype) for _ in range(2))
-    start = torch.tensor([0, 5, 95, 40, 63], device=device)
-    span = 96
-    mask = (torch.arange(span, device=device)[None] <= start[:, None])[:, None, None].expand(n, 1, G, span)
-    want = _attend(g, k[:n, :, :span], v[:n, :, :span], mask, 0.125, 1)
-    got = _varlen_attend(g, k, v, _varlen_lengths(start, n, Hk, G, C, span), span, 0.125)
-    return bool(torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2))
+    start = torch.randint(0, C - 1, (n,), generator=gen).to(device)
+    return g, k, v, start
+
+
+@torch.inference_mode()
+def _varlen_check(kernel: str, device, dtype, D: int, G: int, Hk: int) -> bool:
+    """_varlen_attend with `kernel` against _attend on random rows of unequal lengths (with one of a single column
+    and one of the whole span), few rows (split columns) and many."""
+    for n, C in ((5, 97), (300, 200)):
+        g, k, v, start = _varlen_inputs(device, dtype, D, G, Hk, n, C)
+        start[0], start[1] = 0, C - 2
+        span = C - 1
+        mask = (torch.arange(span, device=device)[None] <= start[:, None])[:, None, None].expand(n, 1, G, span)
+        want = _attend(g, k[:n, :, :span], v[:n, :, :span], mask, 0.125, 1)
+        got = _varlen_attend(g, k, v, _varlen_lengths(kernel, start, n, Hk, G, C, span), span, 0.125)
+        if not torch.allclose(got.float(), want.float(), atol=2e-2, rtol=2e-2):
+            return False
+    return True
+
+
+@torch.inference_mode()
+def _varlen_time(kernel: str, device, dtype, D: int, G: int, Hk: int) -> float:
+    """Seconds a call of _varlen_attend with `kernel` takes on 512 rows of 1-1,024 columns (after a warm-up)."""
+    g, k, v, start = _varlen_inputs(device, dtype, D, G, Hk, 512, 1025, seed=1)
+    lengths = _varlen_lengths(kernel, start, 512, Hk, G, 1025, 1024)
+    for _ in range(3):
+        _varlen_attend(g, k, v, lengths, 1024, 0.125)
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(10):
+        _varlen_attend(g, k, v, lengths, 1024, 0.125)
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / 10e3
 
 
 _FUSED = None
@@ -258,9 +314,10 @@ def _fused_failed(e: Exception) -> None:
 
 
 def fused_layers():
-    """(pre, post, out): _layer_pre, _layer_post and _layer_out (post without its attention) through torch.compile, built once per process. The weights are
-    arguments, so one compiled graph serves every layer; the shapes (rows, tokens, columns, positions) are
-    symbolic, so no bucket, batch size or decoder size compiles again (FUSED_RECOMPILE_LIMIT)."""
+    """(pre, post, out): _layer_pre, _layer_post and _layer_out (post without its attention) through torch.compile,
+    built once per process. The weights are arguments, so one compiled graph serves every layer; the shapes (rows,
+    tokens, columns, positions) are symbolic, so no bucket, batch size or decoder size compiles again
+    (FUSED_RECOMPILE_LIMIT)."""
     global _FUSED
     if _FUSED is None:
         _FUSED = tuple(_limited(torch.compile(f, fullgraph=True, dynamic=True))
@@ -276,7 +333,7 @@ class StaticDecoder:
     output of decoder layer i, the last layer after the final norm, as dflash.core.target.LayerCapture does)."""
 
     def __init__(self, model, slots: int, max_len: int, layer_ids: list[int] | None = None, bucket: int = 256,
-                 graphs: bool = True, max_q: int = 16, fused: bool | None = None, varlen: bool | None = None):
+                 graphs: bool = True, max_q: int = 16, fused: bool | None = None, varlen: bool | str | None = None):
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the static decoder cannot run this model: {why}")
@@ -311,9 +368,15 @@ class StaticDecoder:
         fused = self.device.type == "cuda" if fused is None else fused
         self.fused = bool(fused) and fusable(self.layers, cfg) is None and _FUSED_FAILED is None
         self.graphs_on = graphs and self.device.type == "cuda"
-        # batched one-token steps read each row's own columns (_varlen_attend; None: where the kernel runs, checked
-        # once per process; True forces it, for tests that give _flash_varlen a reference on a CPU)
-        self.varlen = varlen_available(self.device, self.dtype, self.head_dim) if varlen is None else bool(varlen)
+        # batched one-token steps read each row's own columns (_varlen_attend) with the kernel varlen_kernel picks
+        # (None), none (False), or the one named (tests: "flash" with a CPU stand-in for _flash_varlen, "triton"
+        # in Triton's interpreter)
+        if varlen is None:
+            varlen = varlen_kernel(self.device, self.dtype, self.head_dim, self.groups, self.kv_heads)
+        self.varlen_kernel = varlen if varlen in VARLEN_KERNELS else None
+        if varlen not in (None, False) and self.varlen_kernel is None:
+            raise ValueError(f"varlen={varlen!r}: one of {VARLEN_KERNELS}, None or False")
+        self.varlen = self.varlen_kernel is not None
         self._graphs: dict[tuple[int, int, int, bool, bool], tuple] = {}  # (n, q, span, all logits, varlen) -> graph
         self._pool = None
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
@@ -432,7 +495,8 @@ class StaticDecoder:
         if span is not None:
             cols = pos  # a row's tokens go to the columns of their positions
             if varlen:
-                mask = _varlen_lengths(start, n, self.kv_heads, self.groups, self.k[0].shape[2], span)
+                mask = _varlen_lengths(self.varlen_kernel, start, n, self.kv_heads, self.groups, self.k[0].shape[2],
+                                       span)
             else:
                 seen = self.cols[:span][None, None, :] <= cols[:, :, None]  # [n, q, span]
                 mask = seen[:, None].expand(n, self.groups, q, span).reshape(n, 1, self.groups * q, span)
