@@ -225,7 +225,13 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype, head_dim: int, group
                     print(f"static decoder: note: the {kernel} variable-length attention is off ({why[:200]})",
                           flush=True)
         if len(ok) > 1:
-            ok.sort(key=lambda kernel: _varlen_time(kernel, device, dtype, head_dim, groups, kv_heads))
+            secs = {}
+            for kernel in ok:
+                try:
+                    secs[kernel] = _varlen_time(kernel, device, dtype, head_dim, groups, kv_heads)
+                except Exception:  # noqa: BLE001  (it ran in the check: a failure here leaves the other)
+                    secs[kernel] = float("inf")
+            ok.sort(key=secs.get)
         _VARLEN[key] = ok[0] if ok else None
         if not ok and device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
             print("static decoder: note: no variable-length attention runs here; batched steps attend over the "
@@ -371,8 +377,9 @@ class StaticDecoder:
         # batched one-token steps read each row's own columns (_varlen_attend) with the kernel varlen_kernel picks
         # (None), none (False), or the one named (tests: "flash" with a CPU stand-in for _flash_varlen, "triton"
         # in Triton's interpreter)
-        if varlen is None:
-            varlen = varlen_kernel(self.device, self.dtype, self.head_dim, self.groups, self.kv_heads)
+        if varlen is None:  # (a decoder of fewer slots never takes a varlen step: eval's)
+            varlen = varlen_kernel(self.device, self.dtype, self.head_dim, self.groups, self.kv_heads) \
+                if self.slots >= VARLEN_MIN_ROWS else False
         self.varlen_kernel = varlen if varlen in VARLEN_KERNELS else None
         if varlen not in (None, False) and self.varlen_kernel is None:
             raise ValueError(f"varlen={varlen!r}: one of {VARLEN_KERNELS}, None or False")
