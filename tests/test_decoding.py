@@ -205,6 +205,50 @@ def test_the_drafters_context_after_acceptances_is_the_confirmed_text(tiny, grap
                 assert torch.allclose(vs[i], full.v[i][:, :, :pos], atol=1e-5), (pos, i)
 
 
+@pytest.mark.cxx
+def test_the_compiled_static_draft_step_drafts_as_the_uncompiled_one(tiny, monkeypatch, capsys):
+    """StaticDraft(compiled=True), a GPU's default before the capture: the step through torch.compile drafts what
+    the uncompiled step drafts, decoding stays lossless; should it fail to compile, it runs uncompiled, said once."""
+    from dflash.train import drafting
+
+    t = Target(tiny["model"], LAYERS)
+    d = drafter_for(tiny, seed=4)
+
+    def recording(proposer):
+        drafts, propose = [], proposer.propose
+
+        def recorded(seq, last, pos):
+            out = propose(seq, last, pos)
+            drafts.append(out.tolist())
+            return out
+
+        proposer.propose = recorded
+        return proposer, drafts
+
+    def run(compiled):
+        prop, drafts = recording(DFlashProposer(d, 128, graph=True, compiled=compiled))
+        for p in prompts(tiny, lengths=(4, 17), seed=5):  # one proposer: its step compiles once
+            assert speculative(t, prop, p, 24, set()).tokens == greedy(t, p, 24, set()).tokens
+        assert prop.graph_status == "static"
+        return prop, drafts
+
+    plain, want = run(False)
+    compiled, got = run(True)
+    assert got == want and len(got) > 6 and compiled.static.compiled and not plain.static.compiled
+
+    def broken(fn):
+        def call():
+            from torch._dynamo.exc import Unsupported
+            raise Unsupported("no")
+        return call
+
+    monkeypatch.setattr(drafting, "_compiled", broken)
+    capsys.readouterr()
+    fallen, got = run(True)
+    assert got == want and not fallen.static.compiled
+    assert capsys.readouterr().out.count("the drafter's step failed to compile (Unsupported: no)") == 1
+
+
 # ------------------------------------------------------------------------------------------------ training helps
 
 

@@ -131,21 +131,25 @@ def recording(proposer):
     return proposer, drafts
 
 
-def test_the_fixed_shape_dflash2_step_drafts_exactly_as_the_eager_one(tiny):
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.cxx)], ids=["plain", "compiled"])
+def test_the_fixed_shape_dflash2_step_drafts_exactly_as_the_eager_one(tiny, compiled):
     """graph=True: StaticDraft2's step (on a GPU one CUDA graph; here the same code run eagerly) after the check
-    against the eager step on the first whole verified block; every draft of a decoding equals the eager path's."""
+    against the eager step on the first whole verified block; every draft of a decoding equals the eager path's.
+    compiled: the step through torch.compile first, as on a GPU (its selector's greedy pass and sliding window
+    included)."""
     m = tiny["model"]
     t = Target(m, LAYERS)
     d = drafter(tiny, "dflash2", window=4)
     rng = random.Random(1)
-    for n in (2, 9, 30):
+    for n in (2, 9, 30) if not compiled else (30,):
         p = [rng.randrange(3, len(tiny["tok"])) for _ in range(n)]
         eager, eager_drafts = recording(DFlash2Proposer(d, 128))
-        static, static_drafts = recording(DFlash2Proposer(d, 128, graph=True))
+        static, static_drafts = recording(DFlash2Proposer(d, 128, graph=True, compiled=compiled))
         ref = speculative(t, eager, p, 32, set()).tokens
         assert speculative(t, static, p, 32, set()).tokens == ref == hf_greedy(m, p, 32)
         assert static.graph_status == "static" and eager.graph_status == "off"
         assert static_drafts == eager_drafts and len(static_drafts) > 3
+        assert static.static.compiled == compiled
 
 
 def test_the_dflash2_step_check_names_a_draft_the_selector_would_not_choose(tiny):

@@ -23,6 +23,8 @@ The JSON report (--json; schema SCHEMA, the same keys on every run):
                            the speed-ups are then those of both models graph-captured, as serving engines run them
   target_fused             true when, in those graphs, each target layer ran as two compiled functions (the
                            pointwise work fused: dflash/core/static_decode.py fused_layers)
+  draft_compiled           true when the drafter's step went through torch.compile before its capture (its
+                           pointwise work fused: train/drafting.py StaticDraft)
   harness                  the settings that make one harness's tau comparable with another's (serving engines'
                            benchmarks differ on them): decoding ("greedy"), temperature (0.0), block_size,
                            max_new_tokens, stop_at_eos, chat_template_kwargs (as rendered; {} = the template's own
@@ -384,6 +386,7 @@ def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
         "block_size": B, "drafter_layers": len(drafter.layers), "draft_graph": dflash.graph_status,
         "target_attention": target.attention, "target_graph": isinstance(target, StaticTarget),
         "target_fused": isinstance(target, StaticTarget) and target.dec.fused,
+        "draft_compiled": bool(dflash.static is not None and dflash.static.compiled and dflash.graph_status == "graph"),
         "harness": harness_settings(cfg, B),
         "target_tokens_per_s": base["tokens_per_s"], "target_tokens": base["tokens"], "target": base,
         "dflash": res["dflash"],
@@ -428,8 +431,10 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(f"{r['prompts']} prompts, {r['target_tokens']} tokens, block {r['block_size']}, {r['dtype']} on {r['device']}")
     graphs = [name for name, on in (("target", r.get("target_graph")), ("drafter", r.get("draft_graph") == "graph"))
               if on]
+    fused = [what for what, on in (("the target's layers fused", r.get("target_fused")),
+                                   ("the drafter's step compiled", r.get("draft_compiled"))) if on]
     lines.append("speed-ups with " + (" and ".join(graphs) + " in CUDA graphs" if graphs else "both models eager")
-                 + (" (the target's layers fused)" if r.get("target_fused") else "")
+                 + (f" ({' and '.join(fused)})" if fused else "")
                  + ("" if len(graphs) == 2 else " (serving engines run both in CUDA graphs)"))
     h = r.get("harness")
     if h:
