@@ -64,8 +64,9 @@ if triton is not None:
         g = tl.arange(0, GP)
         d = tl.arange(0, D)
         q = tl.load(Q + ((r * HK + h) * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
-        k_base = K + r * stride_kr + h * stride_kh
-        v_base = V + r * stride_kr + h * stride_kh
+        off = r.to(tl.int64) * stride_kr + h.to(tl.int64) * stride_kh  # a cache of several GB passes int32
+        k_base = K + off
+        v_base = V + off
         m = tl.full([GP], float("-inf"), tl.float32)
         den = tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)

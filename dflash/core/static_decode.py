@@ -258,8 +258,8 @@ def _varlen_inputs(device, dtype, D: int, G: int, Hk: int, n: int, C: int, seed:
 @torch.inference_mode()
 def _varlen_check(kernel: str, device, dtype, D: int, G: int, Hk: int) -> bool:
     """_varlen_attend with `kernel` against _attend on random rows of unequal lengths (with one of a single column
-    and one of the whole span), few rows (split columns) and many."""
-    for n, C in ((5, 97), (300, 200)):
+    and one of the whole span), few rows (the Triton kernel's columns split) and many."""
+    for n, C in ((5, 1100), (300, 200)):
         g, k, v, start = _varlen_inputs(device, dtype, D, G, Hk, n, C)
         start[0], start[1] = 0, C - 2
         span = C - 1
