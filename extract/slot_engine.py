@@ -24,6 +24,7 @@ one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the
 from __future__ import annotations
 
 import heapq
+import itertools
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -42,6 +43,17 @@ MIN_BATCH = 8
 # this share of the span's: rows of 64-2,048 tokens (~50% of the span) took 15.3 against 17.1 ms a step at 1,024
 # rows, rows of 512 each (100%) 10.4 against 8.9 (bench/decode.py --modes fused,varlen --mixed 64-2048, H200).
 VARLEN_MAX_SHARE = 0.7
+
+
+def padded(prompts: list[list[int]], width: int, pad: int) -> tuple[torch.Tensor, np.ndarray]:
+    """The prompts right-padded with `pad` to `width` columns ([k, width] long) and their lengths ([k] int64): one
+    flat array scattered under a mask, 4.2 against 24.9 ms for 1,024 prompts of 20-300 tokens row by row (2 CPU
+    cores), a prefill's host time while the GPU waits."""
+    lens = np.fromiter(map(len, prompts), dtype=np.int64, count=len(prompts))
+    flat = np.fromiter(itertools.chain.from_iterable(prompts), dtype=np.int64, count=int(lens.sum()))
+    ids = np.full((len(prompts), width), pad, dtype=np.int64)
+    ids[np.arange(width)[None, :] < lens[:, None]] = flat
+    return torch.from_numpy(ids), lens
 
 
 @dataclass
@@ -194,10 +206,8 @@ class SlotEngine:
                 chosen.append(req)
                 width = w
             slots, free = free[:len(chosen)], free[len(chosen):]
-            ids = torch.full((len(chosen), width), self.pad_id, dtype=torch.long)
-            for i, r in enumerate(chosen):
-                ids[i, :len(r.prompt)] = torch.tensor(r.prompt, dtype=torch.long)
-            lengths = torch.tensor([len(r.prompt) for r in chosen], device=self.device)
+            ids, lens = padded([r.prompt for r in chosen], width, self.pad_id)
+            lengths = torch.from_numpy(lens).to(self.device)
             slot_idx = torch.tensor(slots, device=self.device)
             with decode_sdpa():
                 logits, _ = self.dec.prefill(ids.to(self.device), slot_idx, lengths)
@@ -206,11 +216,11 @@ class SlotEngine:
             self.last[slot_idx] = first
             for s, row in zip(slots, rows):
                 self.slot_rows[s] = row
-                self.pos[s] = len(row.req.prompt)
-                self._left[s] = row.req.max_new_tokens
+            self.pos[slots] = lens
+            self._left[slots] = [r.max_new_tokens for r in chosen]
             self._busy[slots] = True
             self.prefills += 1
-            self.prompt_tokens += int(lengths.sum())
+            self.prompt_tokens += int(lens.sum())
             self.prefill_columns += len(chosen) * width
             done += self._emit(slots, first.tolist(), fed=set())
         return done

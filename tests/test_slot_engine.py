@@ -151,3 +151,19 @@ def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model,
         for i, p in enumerate(prompts):
             assert results[i].tokens == _reference(model, p, 8, set())[0], f"prompt {i}"
     assert slot_engine.VARLEN_MAX_SHARE < 25 / 32
+
+
+def test_prompts_are_padded_as_row_by_row():
+    """slot_engine.padded (a prefill's ids built at once) gives the row-by-row tensor and the lengths."""
+    import torch
+
+    from dflash.extract.slot_engine import padded
+
+    rng = random.Random(7)
+    prompts = [[rng.randrange(1, 50_000) for _ in range(rng.randint(1, 40))] for _ in range(37)]
+    width = max(map(len, prompts)) + 3
+    ids, lens = padded(prompts, width, pad=-1)
+    want = torch.full((len(prompts), width), -1, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        want[i, :len(p)] = torch.tensor(p)
+    assert torch.equal(ids, want) and lens.tolist() == list(map(len, prompts))
