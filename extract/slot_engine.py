@@ -40,8 +40,9 @@ from .sampling import sample, uniforms
 
 MIN_BATCH = 8
 # A decode step reads each row's own columns (StaticDecoder's variable-length attention) when they are fewer than
-# this share of the span's: rows of 64-2,048 tokens (~50% of the span) took 15.3 against 17.1 ms a step at 1,024
-# rows, rows of 512 each (100%) 10.4 against 8.9 (bench/decode.py --modes fused,varlen --mixed 64-2048, H200).
+# this share of the span's: with flash's kernel, rows of 64-2,048 tokens (~50% of the span) took 15.3 against
+# 17.1 ms a step at 1,024 rows, rows of 512 each (100%) 10.4 against 8.9 (bench/decode.py --modes fused,flash
+# --mixed 64-2048, H200).
 VARLEN_MAX_SHARE = 0.7
 
 
