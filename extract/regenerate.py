@@ -308,10 +308,11 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
             graph = eng.get("target_graph")
             pad, copies = (("right padding", f"{eng['compactions']:,} moves of rows into lower slots") if graph else
                            ("left padding", f"stacking prefills beside the batch and {eng['compactions']:,} compactions"))
+            varlen = (f" ({eng.get('varlen_steps', 0):,} steps each row's own columns only, with "
+                      f"{eng['varlen_kernel']}'s kernel)" if graph and eng.get("varlen_kernel") else "")
             print0(f"regenerate: engine work: prefills ran {eng['prefill_columns']:,} columns for "
                    f"{eng['prompt_tokens']:,} prompt tokens (the rest is {pad}); decode steps read "
-                   f"{eng['decode_columns']:,} cache columns ({eng.get('varlen_steps', 0):,} steps each row's own "
-                   f"columns only{', ' + eng['varlen_kernel'] + ' kernel' if eng.get('varlen_kernel') else ''}), "
+                   f"{eng['decode_columns']:,} cache columns{varlen}, "
                    f"{eng['decode_real_columns']:,} of them real tokens "
                    f"({eng['decode_real_columns'] / max(1, eng['decode_columns']):.0%}); {copies} copied "
                    f"{eng['copied_columns']:,} token columns "
