@@ -1,5 +1,6 @@
 """dflash/core/decode_attention.py's Triton kernel (the static decoder's batched one-token steps reading each row's
-own columns), run by Triton's interpreter on CPU tensors, against the decoder's plain attention and the HF forward.
+own columns), run by Triton's interpreter on CPU tensors, against the decoder's plain attention, the spanned step
+and single-sequence decoding through regenerate's slot engine.
 Skipped where Triton is not installed (a CPU-only torch ships none); tests/test_gpu.py runs the compiled kernel
 on a GPU (bf16 and fp16, which the interpreter does not model: bf16 it computes wrong)."""
 
@@ -63,6 +64,25 @@ for t in range(3):
     torch.testing.assert_close(ha, hb, atol=1e-4, rtol=1e-4)
     pos = pos + 1
 print("decoder ok", flush=True)
+
+# regenerate's engine with it: every row's text a single sequence's
+from dflash.core import static_decode
+from dflash.extract.generate import Request
+from dflash.extract.slot_engine import SlotEngine
+from tests.test_regenerate import _reference
+static_decode.varlen_kernel = lambda *a: "triton"
+eng = SlotEngine(m, eos_ids=set(), slots=16, max_len=64, prefill_tokens=1024, refill=1, bucket=16)
+prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (2, 3, 40, 4, 5, 38, 2, 6, 3, 44, 2, 5)]
+for i, p in enumerate(prompts):
+    eng.add(Request(p, 8, key=i, priority=(0, i)))
+results = {}
+while eng.busy:
+    for r in eng.step():
+        results[r.key] = r
+assert eng.dec.varlen_kernel == "triton" and eng.varlen_steps > 0
+for i, p in enumerate(prompts):
+    assert results[i].tokens == _reference(m, p, 8, set())[0], i
+print("engine ok", flush=True)
 """
 
 
@@ -73,5 +93,5 @@ def test_the_triton_decode_kernel_equals_the_plain_attention():
                          timeout=600)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
     lines = out.stdout.splitlines()
-    assert sum(line.startswith("kernel") for line in lines) == 5 and "decoder ok" in lines
+    assert sum(line.startswith("kernel") for line in lines) == 5 and "decoder ok" in lines and "engine ok" in lines
     assert any(line.startswith("kernel") and not line.endswith("splits 1") for line in lines)  # splits were run
