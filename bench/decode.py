@@ -99,6 +99,12 @@ def eager_step(m, context: int, q: int):
     return fn
 
 
+def mixed_lengths(spec: str, batch: int) -> list[int]:
+    """--mixed LO-HI: batch row lengths uniform in [LO, HI], seeded (the same rows in every mode and script)."""
+    lo, hi = (int(x) for x in spec.split("-"))
+    return torch.randint(lo, hi + 1, (batch,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
 def graph_step(m, batch: int, context: int, q: int, fused: bool = False, lengths: list[int] | None = None,
                varlen: str | bool = False):
     """A step of the static decoder after `context` tokens per row (or each row's own of `lengths`); varlen: a batched
@@ -137,31 +143,30 @@ def run(shape: str, args, dev) -> list[dict]:
     c = args.context
     modes = args.modes.split(",")
     kernels = ("triton", "flash")
-    graphs = [(mode, mode != "graph") for mode in modes if mode in ("graph", "fused") + kernels]
+    # (mode, fused, the batched step's varlen kernel or False)
+    graphs = [(mode, mode != "graph", mode in kernels and mode) for mode in modes
+              if mode in ("graph", "fused") + kernels]
     if "eager" in modes:
         add("step b1", "eager", timed(eager_step(m, c, 1), args.iters), 1, c)
-    for mode, fused in graphs:
-        if mode not in kernels:  # one row: the same step as fused (a kernel reads rows of VARLEN_MIN_ROWS or more)
+    for mode, fused, kernel in graphs:
+        if not kernel:  # one row: the same step as fused (a kernel reads rows of VARLEN_MIN_ROWS or more)
             add("step b1", mode, timed(graph_step(m, 1, c, 1, fused), args.iters), 1, c)
     if "eager" in modes:
         add("verify 16", "eager", timed(eager_step(m, c, 16), args.iters), 16, c + 16)
-    for mode, fused in graphs:
-        if mode not in kernels:
+    for mode, fused, kernel in graphs:
+        if not kernel:
             add("verify 16", mode, timed(graph_step(m, 1, c, 16, fused), args.iters), 16, c + 16)
     for b in args.batches:
         if shape != "recipe" and b > 256:
             continue  # 8B shape: 256 x 512 tokens of KV is already 19 GB
-        for mode, fused in graphs:
-            kernel = mode if mode in kernels else False
+        for mode, fused, kernel in graphs:
             add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused, varlen=kernel), args.iters), b, b * c)
             torch.cuda.empty_cache()
-        if args.mixed:  # rows of unequal lengths: every row attends over the longest row's columns
-            lo, hi = (int(x) for x in args.mixed.split("-"))
-            g = torch.Generator().manual_seed(0)
-            lengths = torch.randint(lo, hi + 1, (b,), generator=g).tolist()
-            for mode, fused in graphs:
-                fn = graph_step(m, b, c, 1, fused, lengths, varlen=mode if mode in kernels else False)
-                add(f"decode b{b} mixed {lo}-{hi}", mode, timed(fn, args.iters), b, sum(lengths))
+        if args.mixed:  # rows of unequal lengths: the spanned step attends over the longest row's columns
+            lengths = mixed_lengths(args.mixed, b)
+            for mode, fused, kernel in graphs:
+                fn = graph_step(m, b, c, 1, fused, lengths, varlen=kernel)
+                add(f"decode b{b} mixed {args.mixed}", mode, timed(fn, args.iters), b, sum(lengths))
                 torch.cuda.empty_cache()
     del m
     torch.cuda.empty_cache()

@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.decode import graph_step, model_of  # noqa: E402
+from bench.decode import graph_step, mixed_lengths, model_of  # noqa: E402
 
 
 def main() -> None:
@@ -29,10 +29,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25, help="kernels listed")
     args = ap.parse_args()
     m = model_of(args.shape, torch.device("cuda"), torch.bfloat16)
-    lengths = None
-    if args.mixed:
-        lo, hi = (int(x) for x in args.mixed.split("-"))
-        lengths = torch.randint(lo, hi + 1, (args.batch,), generator=torch.Generator().manual_seed(0)).tolist()
+    lengths = mixed_lengths(args.mixed, args.batch) if args.mixed else None
     fn = graph_step(m, args.batch, args.context, args.q, args.fused, lengths, varlen=args.varlen or False)
     for _ in range(3):
         fn()

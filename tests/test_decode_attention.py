@@ -21,7 +21,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reas
 CHECKS = r"""
 import random, torch
 from dflash.core import decode_attention as da
-from dflash.core.static_decode import StaticDecoder, _attend
+from dflash.core.static_decode import _attend
 
 torch.manual_seed(0)
 # the kernel against the plain attention: one split or several (few rows), G of 3 and 7, head dims 16-128, float32
@@ -40,48 +40,22 @@ for n, hk, G, D, C, span, dt in [(5, 2, 3, 16, 97, 96, torch.float32), (600, 1, 
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
     print("kernel", n, hk, G, D, "splits", da.splits_for(n * hk, span), flush=True)
 
-# the decoder's steps through it: the spanned step's logits and hidden states, for rows of very unequal lengths
-# whose slots hold stale columns past them
+# the decoder's steps through it: the spanned step's and the HF forward's logits and hidden states
+from dflash.core import static_decode
 from dflash.core.target import load_causal_lm
+from tests.test_slot_engine import decodes_single_sequences, mixed_prompts
+from tests.test_static_decode import varlen_steps_equal_the_spanned_ones
 from tests.tiny import make_tiny_target
 import tempfile
 m = load_causal_lm(make_tiny_target(tempfile.mkdtemp() + "/t", arch="llama")).eval()
-cfg = m.config
-assert da.supported(cfg.hidden_size // cfg.num_attention_heads, 2) is None
-V, n = cfg.vocab_size, 10
-rng = random.Random(3)
-lens = [rng.randrange(1, 40) for _ in range(n)]
-ids = torch.tensor([[rng.randrange(3, V) for _ in range(max(lens))] for _ in range(n)])
-decs = [StaticDecoder(m, slots=n + 2, max_len=64, layer_ids=[1], bucket=16, varlen=on) for on in ("triton", False)]
-for d in decs:
-    d.prefill(torch.randint(3, V, (n, 60)), torch.arange(n))
-    d.prefill(ids, torch.arange(n), torch.tensor(lens))
-pos = torch.tensor(lens)
-for t in range(3):
-    step = torch.randint(3, V, (n, 1), generator=torch.Generator().manual_seed(t))
-    (a, ha), (b, hb) = (d.step(step, pos, int(pos.max()) + 1) for d in decs)
-    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(ha, hb, atol=1e-4, rtol=1e-4)
-    pos = pos + 1
+assert da.supported(m.config.hidden_size // m.config.num_attention_heads, 2) is None
+varlen_steps_equal_the_spanned_ones(m, "triton")
 print("decoder ok", flush=True)
 
 # regenerate's engine with it: every row's text a single sequence's
-from dflash.core import static_decode
-from dflash.extract.generate import Request
-from dflash.extract.slot_engine import SlotEngine
-from tests.test_regenerate import _reference
 static_decode.varlen_kernel = lambda *a: "triton"
-eng = SlotEngine(m, eos_ids=set(), slots=16, max_len=64, prefill_tokens=1024, refill=1, bucket=16)
-prompts = [[rng.randrange(3, V) for _ in range(n)] for n in (2, 3, 40, 4, 5, 38, 2, 6, 3, 44, 2, 5)]
-for i, p in enumerate(prompts):
-    eng.add(Request(p, 8, key=i, priority=(0, i)))
-results = {}
-while eng.busy:
-    for r in eng.step():
-        results[r.key] = r
+eng = decodes_single_sequences(m, mixed_prompts(m, random.Random(4)))
 assert eng.dec.varlen_kernel == "triton" and eng.varlen_steps > 0
-for i, p in enumerate(prompts):
-    assert results[i].tokens == _reference(m, p, 8, set())[0], i
 print("engine ok", flush=True)
 """
 

@@ -210,20 +210,10 @@ def test_the_compiled_static_draft_step_drafts_as_the_uncompiled_one(tiny, monke
     """StaticDraft(compiled=True), a GPU's default before the capture: the step through torch.compile drafts what
     the uncompiled step drafts, decoding stays lossless; should it fail to compile, it runs uncompiled, said once."""
     from dflash.train import drafting
+    from tests.test_dflash2_decoding import recording
 
     t = Target(tiny["model"], LAYERS)
     d = drafter_for(tiny, seed=4)
-
-    def recording(proposer):
-        drafts, propose = [], proposer.propose
-
-        def recorded(seq, last, pos):
-            out = propose(seq, last, pos)
-            drafts.append(out.tolist())
-            return out
-
-        proposer.propose = recorded
-        return proposer, drafts
 
     def run(compiled):
         prop, drafts = recording(DFlashProposer(d, 128, graph=True, compiled=compiled))

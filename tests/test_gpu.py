@@ -232,6 +232,7 @@ def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):
     from dflash.train.dflash2_drafting import DFlash2Proposer
     from dflash.train.model import DrafterConfig
     from dflash.train.verify import Target
+    from tests.test_dflash2_decoding import recording
 
     _, target, _ = assets
     dev = torch.device("cuda:0")
@@ -249,18 +250,6 @@ def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):
                 p.copy_(p + 0.5 * torch.randn(p.shape, generator=g))
     d = d.to(dev).eval()
     d.set_target_head(m.get_input_embeddings().weight, m.get_output_embeddings().weight)
-
-    def recording(proposer):
-        drafts, propose = [], proposer.propose
-
-        def recorded(seq, last, pos):
-            out = propose(seq, last, pos)
-            drafts.append(out.tolist())
-            return out
-
-        proposer.propose = recorded
-        return proposer, drafts
-
     t = Target(m, [1, 3])
     rng = random.Random(0)
     for n in (3, 17):

@@ -135,22 +135,34 @@ def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model,
     monkeypatch.setattr(sd, "_flash_varlen", flash_varlen_reference)
     rng = random.Random(4)
     V = model.config.vocab_size
-    mixed = [[rng.randrange(3, V) for _ in range(n)] for n in (2, 3, 40, 4, 5, 38, 2, 6, 3, 44, 2, 5)]
     same = [[rng.randrange(3, V) for _ in range(24)] for _ in range(8)]  # columns 24-31 of 32: >= 78% of the span
-    for prompts, varlen in ((mixed, True), (same, False)):
-        eng = SlotEngine(model, eos_ids=set(), slots=16, max_len=64, prefill_tokens=1024, refill=1, bucket=16)
-        assert eng.dec.varlen
-        for i, p in enumerate(prompts):
-            eng.add(Request(p, 8, key=i, priority=(0, i)))
-        results, flash_varlen_reference.calls = {}, 0
-        while eng.busy:
-            for r in eng.step():
-                results[r.key] = r
-        assert (eng.varlen_steps > 0) == varlen and flash_varlen_reference.calls == \
-            eng.varlen_steps * model.config.num_hidden_layers
-        for i, p in enumerate(prompts):
-            assert results[i].tokens == _reference(model, p, 8, set())[0], f"prompt {i}"
+    for prompts, varlen in ((mixed_prompts(model, rng), True), (same, False)):
+        flash_varlen_reference.calls = 0
+        eng = decodes_single_sequences(model, prompts)
+        assert eng.dec.varlen and (eng.varlen_steps > 0) == varlen
+        assert flash_varlen_reference.calls == eng.varlen_steps * model.config.num_hidden_layers
     assert slot_engine.VARLEN_MAX_SHARE < 25 / 32
+
+
+def mixed_prompts(model, rng: random.Random) -> list[list[int]]:
+    """12 prompts of 2-44 tokens: a decode step's rows then use well under VARLEN_MAX_SHARE of its span."""
+    V = model.config.vocab_size
+    return [[rng.randrange(3, V) for _ in range(n)] for n in (2, 3, 40, 4, 5, 38, 2, 6, 3, 44, 2, 5)]
+
+
+def decodes_single_sequences(model, prompts: list[list[int]]) -> SlotEngine:
+    """A 16-slot engine's greedy text of each prompt (8 new tokens) equals the prompt decoded alone; the engine is
+    returned for its counts. Also run with the Triton kernel in its interpreter (tests/test_decode_attention.py)."""
+    eng = SlotEngine(model, eos_ids=set(), slots=16, max_len=64, prefill_tokens=1024, refill=1, bucket=16)
+    for i, p in enumerate(prompts):
+        eng.add(Request(p, 8, key=i, priority=(0, i)))
+    results = {}
+    while eng.busy:
+        for r in eng.step():
+            results[r.key] = r
+    for i, p in enumerate(prompts):
+        assert results[i].tokens == _reference(model, p, 8, set())[0], f"prompt {i}"
+    return eng
 
 
 def test_prompts_are_padded_as_row_by_row():

@@ -100,23 +100,20 @@ def flash_varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, dropout, causal, d
     return out, None, None, None, None
 
 
-@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.cxx)], ids=["modules", "fused"])
-def test_a_batched_step_reading_each_rows_own_columns_equals_the_spanned_one(tiny, fused, monkeypatch):
-    """A one-token step over >= VARLEN_MIN_ROWS rows (regenerate's decode) can read each row's own columns through
-    the variable-length kernel: the same logits and hidden states as the step over the span, for rows of very
-    unequal lengths, with stale columns past each row's length (a row that was longer before) never read."""
+def varlen_steps_equal_the_spanned_ones(m, kernel: str, fused: bool = False) -> None:
+    """A decoder whose batched one-token steps read each row's own columns with `kernel` against one whose steps
+    attend over the span: the same logits and hidden states over 3 steps, both the HF forward's, for rows of very
+    unequal lengths whose slots hold stale columns past them (a row that was longer before). Also run with the Triton
+    kernel in its interpreter (tests/test_decode_attention.py)."""
     from dflash.core import static_decode as sd
 
-    flash_varlen_reference.calls = 0
-    monkeypatch.setattr(sd, "_flash_varlen", flash_varlen_reference)
-    m = tiny["model"]
     V = m.config.vocab_size
     n = sd.VARLEN_MIN_ROWS + 1
     rng = random.Random(3)
     lens = [rng.randrange(1, 40) for _ in range(n)]
     ids = torch.tensor([[rng.randrange(3, V) for _ in range(max(lens))] for _ in range(n)])
     decs = [StaticDecoder(m, slots=n + 2, max_len=64, layer_ids=[1], bucket=16, fused=fused, varlen=on)
-            for on in ("flash", False)]
+            for on in (kernel, False)]
     assert decs[0].varlen_step(n, 1) and not decs[0].varlen_step(n - 2, 1) and not decs[0].varlen_step(n, 2)
     assert not decs[1].varlen_step(n, 1)
     for d in decs:
@@ -135,7 +132,18 @@ def test_a_batched_step_reading_each_rows_own_columns_equals_the_spanned_one(tin
             torch.testing.assert_close(a[r, 0], ref[-1], atol=1e-4, rtol=1e-4)
             torch.testing.assert_close(ha[r, 0], ref_h[-1], atol=1e-4, rtol=1e-4)
         pos = pos + 1
-    assert flash_varlen_reference.calls == 3 * m.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=pytest.mark.cxx)], ids=["modules", "fused"])
+def test_a_batched_step_reading_each_rows_own_columns_equals_the_spanned_one(tiny, fused, monkeypatch):
+    """A one-token step over >= VARLEN_MIN_ROWS rows (regenerate's decode) can read each row's own columns through
+    the variable-length kernel (flash's, here its CPU stand-in): varlen_steps_equal_the_spanned_ones."""
+    from dflash.core import static_decode as sd
+
+    flash_varlen_reference.calls = 0
+    monkeypatch.setattr(sd, "_flash_varlen", flash_varlen_reference)
+    varlen_steps_equal_the_spanned_ones(tiny["model"], "flash", fused)
+    assert flash_varlen_reference.calls == 3 * tiny["model"].config.num_hidden_layers
 
 
 def test_stale_columns_past_the_confirmed_length_are_never_read(tiny):
