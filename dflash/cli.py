@@ -236,7 +236,8 @@ def extract(preset, gpus, json_out, no_progress, **flags):
         help="Train for about this much training time instead of a number of steps: seconds, or 90m, 2h. The "
              "steps are chosen after a probe (the step time over --time-budget-probe steps after 3 warm-up steps) as "
              "SECONDS / step time; training time leaves out the first compiled call, validations and --follow waits. "
-             "The decision is kept in RUN/run.json: a resumed run trains the same steps. Not with --max-steps or "
+             "At half and nine tenths of the steps the total is decided again from the time spent. The decision "
+             "and its revisions are kept in RUN/run.json: a resumed run replays them. Not with --max-steps or "
              "--epochs (a preset's give the schedule's provisional length until the decision).")
 @option("--time-budget-probe", type=int, help="With --time-budget: the steps timed to decide the run's steps.")
 @option("--arch", type=click.Choice(["dflash", "dflash2"]),

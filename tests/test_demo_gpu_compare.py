@@ -165,7 +165,9 @@ def test_the_printed_table_and_the_stored_rerun(compared, capsys):
     assert row.split()[-2:] == [f"{bf[n]['speedup_in_source']:.2f}x" for n in ("dflash", "dflash2")]
     rec, n2 = budget_steps(work / "run-dflash2")
     assert (f"dflash 8 steps (fewer than the recipe's 10: compare_max_steps); dflash2 {n2} steps, what its time budget "
-            f"bought ({rec['budget_s']:.1f} s, dflash's training time, at {1000 * rec['step_s']:.1f} ms a step)") in out
+            f"bought ({rec['budget_s']:.1f} s, dflash's training time, at {1000 * rec['step_s']:.1f} ms a step"
+            + "".join(f"; revised at step {v['step']} at {1000 * v['step_s']:.1f} ms" for v in rec["revisions"])
+            + ")") in out
     row = next(ln for ln in out.splitlines() if ln.startswith("time budget (--time-budget)"))
     assert row.split()[-3:] == ["-", f"{rec['budget_s']:.1f}", "s"]
     assert "dflash2's training time" in out and "dflash2: speed-ups with both models eager" in out

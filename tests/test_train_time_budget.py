@@ -2,10 +2,14 @@
 
     the steps are decided from the step time measured over the probe (steps slowed by a known sleep): total =
         max(steps done, floor(budget / step time)), recorded in run.json and summary.json, one line printed, the
-        training time near the budget; a validation inside the probe is not step time; the learning rate follows the provisional total up to the decision and the
-        decided one after it; a budget spent within the probe ends the run at the decision (logged, saved, final/)
-    resume: a run killed before the decision measures again after its checkpoint; one killed after it trains the
-        recorded total (a rerun at 10x the step speed would otherwise choose ~10x the steps), without measuring
+        training time near the budget; a validation inside the probe is not step time; the learning rate follows the
+        provisional total up to the decision and the total in effect after it; a budget spent within the probe ends
+        the run at the decision (logged, saved, final/)
+    revisions: steps 3x slower during the probe than after it: the revisions at half and nine tenths of the total
+        bring the training time to the budget (the decision alone: ~0.7 of it), each recorded and printed
+    resume: a run killed before the decision measures again after its checkpoint; one killed after it keeps the
+        recorded decision without a new probe, and replays a recorded revision at its step (the learning rate of
+        every step as the uninterrupted run's)
     torchrun: two ranks decide one total (the slowest rank's step time)
     errors: a budget <= 0 or not a time, and --time-budget beside --max-steps / --epochs: one `error:` line each
 """
@@ -20,23 +24,44 @@ import time
 import pytest
 
 from dflash.train.config import parse_duration
-from dflash.train.time_budget import read_record
+from dflash.train.time_budget import REVISE_AT, latest_step_s, read_record, total_at
 from dflash.train.trainer import TrainConfig, lr_at
 from tests.test_train import PY, REPO, _env, assert_clean_error, base, cli, env, kill_when, latest_step  # noqa: F401
 from tests.test_train import logged_steps, metrics, ok, read_json
 
 
-def slow_steps(monkeypatch, seconds: float) -> None:
-    """Every micro-step of an in-process run slowed by `seconds` (tests/workload.py slowed_steps, in this process)."""
+def slow_steps(monkeypatch, seconds: float, after: tuple[int, float] | None = None) -> None:
+    """Every micro-step of an in-process run slowed by `seconds` (tests/workload.py slowed_steps, in this process);
+    after = (step, s): by s instead from that optimizer step on."""
     import dflash.train.trainer as t
 
     scores = t.Trainer.anchor_scores
 
     def slow(self, *a):
-        time.sleep(seconds)
+        time.sleep(after[1] if after is not None and self.step >= after[0] else seconds)
         return scores(self, *a)
 
     monkeypatch.setattr(t.Trainer, "anchor_scores", slow)
+
+
+def follows_the_totals(run, rec: dict, provisional: int, cfg: TrainConfig) -> None:
+    """Each logged step's learning rate is the schedule's with the total in effect before it: the provisional one up
+    to the decision, then the decision's and each revision's (total_at)."""
+    decided_at = rec["probe_steps"][1]
+    for r in metrics(run):  # the record of step s is written after the update that used lr_at(s - 1)
+        k = r["step"] - 1
+        want = lr_at(k, provisional if k < decided_at else total_at(rec, k), cfg)
+        assert r["lr"] == pytest.approx(want, rel=1e-12), r["step"]
+
+
+def revised_as_due(rec: dict, probe: int) -> None:
+    """Each revision at the first step past its share of the total before it, at least `probe` timed steps after the
+    step time's start (the decision, or the revision before)."""
+    total, since = rec["decided_steps"], rec["probe_steps"][1]
+    for frac, r in zip(REVISE_AT, rec["revisions"]):
+        assert r["step"] == max(math.ceil(frac * total), since + probe), (r, total, since)
+        assert r["total_steps"] >= r["step"]
+        total, since = r["total_steps"], r["step"]
 
 
 def test_the_steps_are_decided_from_the_measured_step_time_and_the_schedule_follows(env, tmp_path, monkeypatch):
@@ -49,31 +74,60 @@ def test_the_steps_are_decided_from_the_measured_step_time_and_the_schedule_foll
     rec = read_json(run / "run.json")["time_budget"]
     assert rec["budget_s"] == budget and rec["probe_steps"] == [4, 8]  # after 3 warm-up steps, 5 timed
     assert 0.04 <= rec["step_s"] < 0.04 + 0.5
-    total = rec["total_steps"]
-    assert total == max(8, math.floor(budget / rec["step_s"])) and total > 8
-    assert read_json(run / "run.json")["config"]["total_steps"] == total
-    line = f"train: --time-budget 1.6 s: {1000 * rec['step_s']:.1f} ms a step over steps 4-8 -> {total:,} steps"
+    decided = rec["decided_steps"]
+    assert decided == max(8, math.floor(budget / rec["step_s"])) and decided > 8
+    line = f"train: --time-budget 1.6 s: {1000 * rec['step_s']:.1f} ms a step over steps 4-8 -> {decided:,} steps"
     assert line in out
+    # steady steps: revised at half and nine tenths of the total, each by a few steps at most
+    assert len(rec["revisions"]) == 2
+    revised_as_due(rec, 5)
+    for r in rec["revisions"]:
+        assert 0.04 <= r["step_s"] < 0.04 + 0.5 and 0 < r["spent_s"] < budget
+        assert f"revised at step {r['step']}: {r['spent_s']:.1f} s spent" in out
+    total = rec["total_steps"]
+    assert total == rec["revisions"][-1]["total_steps"] and abs(total - decided) <= 0.3 * decided
+    assert read_json(run / "run.json")["config"]["total_steps"] == total
     s = read_json(run / "summary.json")
     assert s["steps"] == s["steps_this_run"] == total and s["time_budget"] == rec
     assert [r["step"] for r in metrics(run)] == list(range(1, total + 1))
     assert 0.5 * budget < train_time(str(run))["train_s"] < 2 * budget  # the time it was given, roughly
-    # the schedule: the provisional total (1 epoch) up to the decision after step 8, the decided total after it
+    # the schedule: the provisional total (1 epoch) up to the decision after step 8, the totals in effect after it
     provisional = max(math.ceil(env["rows"] / 2), 8)
     cfg = TrainConfig(cache="c", target="t", out="o", lr=lr, warmup_ratio=warm)
-    for r in metrics(run):  # the record of step s is written after the update that used lr_at(s - 1)
-        want = lr_at(r["step"] - 1, provisional if r["step"] <= 8 else total, cfg)
-        assert r["lr"] == pytest.approx(want, rel=1e-12), r["step"]
+    follows_the_totals(run, rec, provisional, cfg)
     assert any(lr_at(k, provisional, cfg) != lr_at(k, total, cfg) for k in range(8, total))  # two schedules
 
-    # another budget for the finished run: decided again from the recorded step time (no probe), and trained on
+    # another budget for the finished run: decided again from the last recorded step time (no probe), trained on
     out = ok(*base(env, run, "--time-budget", 2 * budget, "--time-budget-probe", 5, "--log-every", 1, "--save-every",
                    100, "--lr", lr, "--warmup-ratio", warm))
     again = read_json(run / "run.json")["time_budget"]
-    assert again == dict(rec, budget_s=2 * budget, total_steps=math.floor(2 * budget / rec["step_s"]))
+    redecided = math.floor(2 * budget / latest_step_s(rec))
+    assert again["budget_s"] == 2 * budget and again["decided_steps"] == redecided
+    assert again["step_s"] == latest_step_s(rec) and again["probe_steps"] == rec["probe_steps"]
     assert "decided 1.6 s before; --time-budget 3.2 s:" in out and "ms a step over steps 4-8" in out
+    assert all(r["step"] > total for r in again["revisions"])  # this process's own revisions
     s = read_json(run / "summary.json")
     assert s["steps"] == again["total_steps"] > total and s["steps_this_run"] == again["total_steps"] - total
+
+
+def test_revisions_bring_the_training_time_to_the_budget_when_the_step_time_changes(env, tmp_path, monkeypatch):
+    """Steps slowed by 0.1 s up to the probe's end (step 8), by 0.03 s after it: the decision alone (~18 steps) would
+    train for ~0.7 of the budget; the revisions (more steps) bring it within 20%."""
+    from dflash.recipes.compare import train_time
+
+    slow_steps(monkeypatch, 0.1, after=(8, 0.03))
+    run, budget = tmp_path / "run", 2.0
+    ok(*base(env, run, "--time-budget", budget, "--time-budget-probe", 5, "--log-every", 1, "--save-every", 100))
+    rec = read_json(run / "run.json")["time_budget"]
+    assert rec["step_s"] >= 0.1 and len(rec["revisions"]) == 2
+    revised_as_due(rec, 5)
+    first = rec["revisions"][0]
+    assert 0.03 <= first["step_s"] < 0.08  # the steps after the probe, not the probe's
+    assert rec["total_steps"] > 1.5 * rec["decided_steps"]
+    t = train_time(str(run))
+    assert t["steps"] == rec["total_steps"] and abs(t["train_s"] / budget - 1) < 0.2, (t, rec)
+    provisional = max(math.ceil(env["rows"] / 2), 8)
+    follows_the_totals(run, rec, provisional, TrainConfig(cache="c", target="t", out="o"))
 
 
 def test_validations_within_the_probe_are_not_step_time(env, tmp_path, monkeypatch):
@@ -123,19 +177,66 @@ def test_a_resume_keeps_the_decided_total_and_one_before_the_decision_measures_a
     kill_when(base(env, run, *args), run, lambda r: read_record(str(r)) is not None)
     rec = read_record(str(run))
     assert rec["probe_steps"] == [resume_at + 4, resume_at + 7] and rec["step_s"] >= 0.1
-    assert rec["total_steps"] == max(resume_at + 7, math.floor(2.5 / rec["step_s"]))
-    # 3. the same command, unthrottled: the recorded total, no probe
+    assert rec["total_steps"] == rec["decided_steps"] == max(resume_at + 7, math.floor(2.5 / rec["step_s"]))
+    # 3. the same command, unthrottled: the recorded decision, no probe; it revises the total as its own steps go
+    #    (~10x faster: more steps fill the budget)
     out = ok(*base(env, run, *args))
-    said = [ln for ln in out.splitlines() if "--time-budget 2.5 s:" in ln]
+    said = [ln for ln in out.splitlines() if "--time-budget 2.5 s:" in ln and "revised" not in ln]
     assert len(said) == 1 and "(decided before" in said[0], out
-    assert read_record(str(run)) == rec
+    again = read_record(str(run))
+    assert {k: again[k] for k in ("budget_s", "step_s", "probe_steps", "decided_steps")} == \
+        {k: rec[k] for k in ("budget_s", "step_s", "probe_steps", "decided_steps")}
+    assert again["revisions"] and again["total_steps"] > rec["total_steps"]
     s = read_json(run / "summary.json")
-    assert s["steps"] == rec["total_steps"] and s["time_budget"] == rec
-    assert logged_steps(run) == list(range(1, rec["total_steps"] + 1))  # no duplicates, no gaps
+    assert s["steps"] == again["total_steps"] and s["time_budget"] == again
+    assert logged_steps(run) == list(range(1, again["total_steps"] + 1))  # no duplicates, no gaps
     # a rerun of the finished run changes nothing
     before = (run / "summary.json").read_bytes()
     assert "nothing to do" in ok(*base(env, run, *args))
     assert (run / "summary.json").read_bytes() == before
+
+
+def test_a_resumed_process_replays_the_recorded_revisions_then_makes_the_rest(tmp_path):
+    """TimeBudget on a clock of its own (0.1 s a step up to step 7, then 0.05 s): the killed process decides after
+    its probe (steps 4-7), revises at half its total and is killed; the resumed one, from a checkpoint before that
+    revision, has the decision's total there, takes the revision's at its step (not measured again), then makes the
+    revision at nine tenths itself from its own steps and the time before it."""
+    from dflash.train.time_budget import TimeBudget
+
+    (tmp_path / "run.json").write_text(json.dumps({"dflash": "train", "config": {}}))
+    out = str(tmp_path)
+    clock = {"t": 0.0}
+
+    def run(tb: TimeBudget, first: int, last: int) -> dict[int, int]:
+        changes = {}
+        for step in range(first + 1, last + 1):
+            clock["t"] += 0.1 if step <= 7 else 0.05
+            got = tb.after_step(step, lambda: clock["t"], lambda x: x)
+            if got is not None:
+                changes[step] = got
+        return changes
+
+    a = TimeBudget(2.0, 4, out, True)
+    assert a.resume(100) == 100 and a.start(0, 100) == 100
+    changes = run(a, 0, 14)
+    rec = read_record(out)
+    assert rec["probe_steps"] == [4, 7] and rec["step_s"] == pytest.approx(0.1)
+    assert changes[7] == rec["decided_steps"] == 20  # floor(2.0 / 0.1)
+    (r,) = rec["revisions"]  # due at ceil(0.5 * 20) = 10, and 4 steps after the decision: 11
+    assert r["step"] == 11 and r["step_s"] == pytest.approx(0.05) and r["spent_s"] == pytest.approx(0.9)
+    assert changes[11] == r["total_steps"] == 11 + math.floor((2.0 - 0.9) / 0.05) == 33 == rec["total_steps"]
+    # killed after step 14; resumed from the checkpoint of step 9 (before the revision)
+    clock["t"] = 0.0
+    b = TimeBudget(2.0, 4, out, True)
+    assert b.resume(100) == 33 and b.total_at(9, 33) == 20  # the decision's total at step 9
+    assert b.start(9, 20) == 20 and b.before_s == pytest.approx(9 * 0.05)
+    changes = run(b, 9, 40)
+    assert changes[11] == 33  # replayed, as the killed run had it
+    second = read_record(out)["revisions"][1]  # due at ceil(0.9 * 33) = 30; its step time from step 12 (9 + 3) on
+    assert second["step"] == 30 and second["step_s"] == pytest.approx(0.05)
+    assert second["spent_s"] == pytest.approx(9 * 0.05 + 21 * 0.05)
+    assert changes[30] == second["total_steps"] == 30 + math.floor((2.0 - 1.5) / 0.05) == 40
+    assert set(changes) == {11, 30} and len(read_record(out)["revisions"]) == 2  # no third revision
 
 
 def test_a_damaged_record_is_no_decision(tmp_path):
@@ -157,8 +258,11 @@ def test_ranks_under_torchrun_decide_one_total(env, tmp_path):
                        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, f"{p.stdout[-3000:]}\n{p.stderr[-5000:]}"
     rec = read_json(run / "run.json")["time_budget"]
-    assert p.stdout.count("train: --time-budget 0.6 s:") == 1  # rank 0's line
-    assert rec["total_steps"] == max(6, math.floor(0.6 / rec["step_s"]))
+    said = [ln for ln in p.stdout.splitlines() if ln.startswith("train: --time-budget 0.6 s:")]
+    assert len([ln for ln in said if "revised" not in ln]) == 1  # rank 0's lines only
+    assert len(said) == 1 + len(rec["revisions"])
+    assert rec["decided_steps"] == max(6, math.floor(0.6 / rec["step_s"]))
+    revised_as_due(rec, 3)  # every rank revised at the same steps (each revision is a collective: else a hang)
     assert read_json(run / "summary.json")["steps"] == rec["total_steps"]  # both ranks stopped there (else a hang)
     assert [r["step"] for r in metrics(run)] == list(range(1, rec["total_steps"] + 1))
 

@@ -259,6 +259,8 @@ class Trainer:
         for g in self.opt.param_groups:  # keep our lr tensor (the schedule writes into it)
             g["lr"] = self.lr_t
         self.step = int(st["step"])
+        if self.budget is not None:  # the total in effect at this step (a --time-budget revised later is replayed)
+            self.total_steps = self.resolved["total_steps"] = self.budget.total_at(self.step, self.total_steps)
         if self.follower is not None:
             self.follower.checkpoint_step = self.step
         if int(st.get("total_steps", self.total_steps)) != self.total_steps:
@@ -315,6 +317,7 @@ class Trainer:
                            unit="step", warmup=3)  # the ETA's rate is timed after the compiled step's warm-up
         window = Window(time.perf_counter())
         t_start, steps_done = time.perf_counter(), 0
+        self.t_loop = t_start
         compiles_at_warm = None
         import torch._dynamo as dynamo
 
@@ -328,8 +331,8 @@ class Trainer:
                 window.steps += 1
                 steps_done += 1
                 bar.update(1)
-                if self.budget is not None and self.budget.pending:  # before the end's log and checkpoint
-                    decided = self.budget.after_step(self.step, self.synced_time, self.untrained_s(), self.slowest)
+                if self.budget is not None:  # decided or revised before the end's log and checkpoint
+                    decided = self.budget.after_step(self.step, self.trained_s, self.slowest)
                     if decided is not None:
                         self.total_steps = self.resolved["total_steps"] = bar.total = decided
                 if self.compiled and self.step == min(3, self.total_steps):
@@ -425,6 +428,12 @@ class Trainer:
         for p in self.params:
             p.grad = None
         return waited
+
+    def trained_s(self) -> float:
+        """This process's training time so far (device-synced): its loop's wall time less the first compiled call,
+        the validations and the --follow waits (what dflash/recipes/compare.py's train_time counts at the end)."""
+        return (self.synced_time() - self.t_loop - float((self.first_call or {}).get("seconds") or 0.0)
+                - self.untrained_s())
 
     def untrained_s(self) -> float:
         """Seconds of this process so far that are not training time: validations and --follow waits for shards."""

@@ -210,7 +210,9 @@ def format_compare(c: dict[str, Any]) -> str:
     budget = c.get("time_budget")
     if budget:  # equal training time: the compared drafter's steps are those its budget bought
         steps = (f"dflash {c['steps']} steps{fewer}; {arch} {tr[arch]['steps']} steps, what its time budget bought "
-                 f"({budget['budget_s']:.1f} s, dflash's training time, at {1000 * budget['step_s']:.1f} ms a step)")
+                 f"({budget['budget_s']:.1f} s, dflash's training time, at {1000 * budget['step_s']:.1f} ms a step"
+                 + "".join(f"; revised at step {v['step']} at {1000 * v['step_s']:.1f} ms"
+                           for v in budget.get("revisions") or []) + ")")
     else:
         steps = f"both drafters {c['steps']} steps{fewer}"
     r, sr = c["train_time_ratio"], c["step_time_ratio"]
