@@ -167,6 +167,7 @@ def run(shape: str, args, dev) -> list[dict]:
             for mode, fused, kernel in graphs:
                 fn = graph_step(m, b, c, 1, fused, lengths, varlen=kernel)
                 add(f"decode b{b} mixed {args.mixed}", mode, timed(fn, args.iters), b, sum(lengths))
+                del fn  # its decoder's cache (8B shape, 256 rows of up to 2,048: ~76 GB) before the next one's
                 torch.cuda.empty_cache()
     del m
     torch.cuda.empty_cache()

@@ -8,7 +8,7 @@ one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the
   * a decode step feeds every row of the first n slots its newest token at its own position; n is the highest
     busy slot + 1 rounded up to a power of two (>= 8), and the step attends over the busy rows' longest length
     rounded up to the decoder's bucket: one graph per (n, bucket), captured on first use. On a GPU a step whose
-    rows' own columns are under VARLEN_MAX_SHARE of that span reads only those (the decoder's variable-length
+    rows' own columns are under VARLEN_MAX_SHARE (the kernel's) of that span reads only those (the decoder's variable-length
     attention; a graph per (n, bucket) of that kind too). When the queue is empty
     and the busy rows fit half of n, the highest busy rows move down into free slots (one copy of those rows)
     so the tail of a run decodes a smaller batch;
@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -40,10 +41,11 @@ from .sampling import sample, uniforms
 
 MIN_BATCH = 8
 # A decode step reads each row's own columns (StaticDecoder's variable-length attention) when they are fewer than
-# this share of the span's: with flash's kernel, rows of 64-2,048 tokens (~50% of the span) took 15.3 against
-# 17.1 ms a step at 1,024 rows, rows of 512 each (100%) 10.4 against 8.9 (bench/decode.py --modes fused,flash
-# --mixed 64-2048, H200).
-VARLEN_MAX_SHARE = 0.7
+# this share of the span's, by kernel. flash's: rows of 64-2,048 tokens (~50% of the span) took 15.3 against 17.1 ms
+# a step at 1,024 rows, rows of 512 each (100%) 10.4 against 8.9. dflash's Triton kernel: 9.1 and 6.0 ms there,
+# faster than the spanned step even when every column is real, so always (bench/decode.py --modes
+# fused,triton,flash --batches 1024 --mixed 64-2048, H200, 2026-12-04).
+VARLEN_MAX_SHARE = {"flash": 0.7, "triton": math.inf}
 
 
 def padded(prompts: list[list[int]], width: int, pad: int) -> tuple[torch.Tensor, np.ndarray]:
@@ -244,7 +246,7 @@ class SlotEngine:
         self._start[:n].copy_(torch.from_numpy(start), non_blocking=True)
         # each row's own columns (the decoder's variable-length attention) where they are few enough of the span's
         own, spanned = int(start.sum()) + n, n * self.dec.span_for(end)
-        varlen = self.dec.varlen_step(n, 1) and own < VARLEN_MAX_SHARE * spanned
+        varlen = self.dec.varlen_step(n, 1) and own < VARLEN_MAX_SHARE[self.dec.varlen_kernel] * spanned
         with decode_sdpa():
             logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end, varlen=varlen)
         self.decode_columns += own if varlen else spanned  # the columns the step reads

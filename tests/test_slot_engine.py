@@ -125,7 +125,8 @@ def test_the_slot_plan_fits_the_budget():
 
 def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model, monkeypatch):
     """On a GPU a decode step whose rows' own columns are under VARLEN_MAX_SHARE of the span's reads only those
-    (the decoder's variable-length attention); rows of equal length keep the spanned step, faster there. Either
+    (the decoder's variable-length attention); with flash's kernel, rows of equal length keep the spanned step,
+    faster there (the Triton kernel is faster even then: its share is unbounded). Either
     way the text is a single sequence's. The kernel's CPU stand-in: tests/test_static_decode.py."""
     from dflash.core import static_decode as sd
     from dflash.extract import slot_engine
@@ -141,11 +142,11 @@ def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model,
         eng = decodes_single_sequences(model, prompts)
         assert eng.dec.varlen and (eng.varlen_steps > 0) == varlen
         assert flash_varlen_reference.calls == eng.varlen_steps * model.config.num_hidden_layers
-    assert slot_engine.VARLEN_MAX_SHARE < 25 / 32
+    assert slot_engine.VARLEN_MAX_SHARE["flash"] < 25 / 32 and slot_engine.VARLEN_MAX_SHARE["triton"] > 1
 
 
 def mixed_prompts(model, rng: random.Random) -> list[list[int]]:
-    """12 prompts of 2-44 tokens: a decode step's rows then use well under VARLEN_MAX_SHARE of its span."""
+    """12 prompts of 2-44 tokens: a decode step's rows then use well under VARLEN_MAX_SHARE["flash"] of its span."""
     V = model.config.vocab_size
     return [[rng.randrange(3, V) for _ in range(n)] for n in (2, 3, 40, 4, 5, 38, 2, 6, 3, 44, 2, 5)]
 
