@@ -29,9 +29,8 @@ step is captured once as a CUDA graph and replayed as one launch:
     kernels a layer instead of ~33 (1.41 against 2.52 ms a recipe step at batch 1); the weights are arguments and
     the shapes symbolic, so one compiled pair serves every layer, bucket and decoder of a process (a handful of
     variants: one row or several, one token or several, the dtype; FUSED_RECOMPILE_LIMIT bounds them);
-  * prefill (new rows' prompts, any length, right-padded) runs eagerly, not captured: where the steps fuse, through
-    the same compiled functions' first and last parts around SDPA's causal attention, else through the layers'
-    modules; it writes the prompts' keys and values into their rows' slots.
+  * prefill (a new row's prompt, any length) runs the same layers eagerly, causal within the prompt, and writes the
+    prompt's keys and values into the row's slot.
 
 The layers are the HF model's own modules (norms, projections, MLP, embedding, LM head, rotary frequencies); only
 the attention and its cache are this module's. Supported: the Llama family of decoder layers (Llama, Qwen2,
@@ -493,26 +492,6 @@ class StaticDecoder:
             return out(x, _varlen_attend(g, self.k[i], self.v[i], mask, span, a.scaling), *rest)
         return post(x, g, self.k[i], self.v[i], mask, a.scaling, *rest)
 
-    def _fused_prefill_layer(self, i: int, layer, x: torch.Tensor, cos, sin, rows) -> torch.Tensor:
-        """Decoder layer i of a prefill through the compiled functions (fused_layers' pre and out: the norms, the
-        rotary embedding and the MLP's pointwise work fused) around the cache write and SDPA's causal attention:
-        what _attention and the HF MLP compute for span=None."""
-        a, mlp = layer.self_attn, layer.mlp
-        pre, _, out = fused_layers()
-        w, b = self._qkv[i]
-        n, q, _ = x.shape
-        g, ks, vs = pre(x, layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon, w, b,
-                        self._qk_norm(a), cos, sin, self.heads, self.kv_heads)
-        ks, vs = ks.transpose(1, 2), vs.transpose(1, 2)
-        self.k[i][rows, :, :q] = ks
-        self.v[i][rows, :, :q] = vs
-        qs = g.view(n, self.heads, q, self.head_dim)  # _fold's row g*q + j of KV head kv: head kv*G + g, token j
-        att = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=a.scaling,
-                                                               enable_gqa=self.heads != self.kv_heads)
-        return out(x, att.transpose(1, 2).reshape(n, q, -1), a.o_proj.weight, a.o_proj.bias,
-                   layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon,
-                   mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-
     def _forward(self, ids, rows, start, span, keep, varlen: bool = False):
         """(logits, hidden) for ids [n, q]; keep: the position per row whose logits to return ([n] tensor), or
         None for all positions; varlen: a step that reads each row's own columns (step() decides)."""
@@ -535,8 +514,6 @@ class StaticDecoder:
         for i, layer in enumerate(self.layers):
             if self.fused and span is not None:
                 x = self._fused_layer(i, layer, x, cos, sin, span, cols, mask)
-            elif self.fused:
-                x = self._fused_prefill_layer(i, layer, x, cos, sin, rows)
             else:
                 x = x + self._attention(i, layer, self._norm(layer.input_layernorm, x), cos, sin, rows, start, span,
                                         cols, mask)
@@ -563,7 +540,7 @@ class StaticDecoder:
         start = torch.zeros(k, dtype=torch.long, device=ids.device)
         keep = None if all_logits else (lengths.to(ids.device) - 1 if lengths is not None
                                          else torch.full((k,), w - 1, dtype=torch.long, device=ids.device))
-        return self._forward_or_fall_back(ids, start, None, keep, rows=rows.to(ids.device))
+        return self._forward(ids, rows.to(ids.device), start, None, keep)
 
     def span_for(self, end: int) -> int:
         """The columns a step whose last token sits at position end-1 attends over: end rounded up to a bucket."""
@@ -613,19 +590,19 @@ class StaticDecoder:
                 count += 1
         return count
 
-    def _forward_or_fall_back(self, ids, start, span, keep, varlen: bool = False, rows=None):
-        """_forward of a prefill (rows: its slots) or a step, run where the fused layers may compile (never inside a
-        capture). Should their compilation fail (a torch or compiler error, not ours), this process decodes with the
-        HF modules' layers from then on, slower but the same arithmetic, and says so once: a decode that runs beats
-        one that stops. The keys and values are written again, the same at the same columns."""
+    def _forward_or_fall_back(self, ids, start, span, keep, varlen: bool = False):
+        """_forward of a step, run where the fused layers may compile (never inside a capture). Should their compilation
+        fail (a torch or compiler error, not ours), this process decodes with the HF modules' layers from then on,
+        slower but the same arithmetic, and says so once: a decode that runs beats one that stops. The step's keys
+        and values are written again, the same at the same columns."""
         try:
-            return self._forward(ids, rows, start, span, keep, varlen)
+            return self._forward(ids, None, start, span, keep, varlen)
         except Exception as e:  # noqa: BLE001  (only the compiler's own errors are caught: below)
             if not self.fused or not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
             _fused_failed(e)
             self.fused = False
-            return self._forward(ids, rows, start, span, keep, varlen)
+            return self._forward(ids, None, start, span, keep, varlen)
 
     def _capture(self, n: int, q: int, span: int, all_logits: bool, varlen: bool):
         """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers: the
