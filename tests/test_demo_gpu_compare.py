@@ -39,11 +39,13 @@ COMPARE_RECIPE = TINY_RECIPE.replace("recipe:\n", """recipe:
 
 
 def budget_steps(run) -> tuple[dict, int]:
-    """DFlash2's time-budget decision (RUN/run.json) and its total: after 3 warm-up steps and a probe of 2, at least
-    5 steps, else the budget over the measured step time."""
+    """DFlash2's time-budget decision (RUN/run.json) and its total: decided after 3 warm-up steps and a probe of 2,
+    at least 5 steps, else the budget over the measured step time; then the total of its last revision, if any
+    (train/time_budget.py; tests/test_train_time_budget.py tests them)."""
     rec = json.loads((run / "run.json").read_text())["time_budget"]
     assert rec["probe_steps"][1] - rec["probe_steps"][0] == 1
-    assert rec["total_steps"] == max(rec["probe_steps"][1], math.floor(rec["budget_s"] / rec["step_s"]))
+    assert rec["decided_steps"] == max(rec["probe_steps"][1], math.floor(rec["budget_s"] / rec["step_s"]))
+    assert rec["total_steps"] == (rec["revisions"][-1]["total_steps"] if rec["revisions"] else rec["decided_steps"])
     return rec, rec["total_steps"]
 
 
@@ -280,16 +282,16 @@ def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
         GpuRecipe(compare_max_steps=-1)
     # the plan: DFlash's stages, then the compared drafter's, with their estimated shares; the shipped comparison
     # trains DFlash compare_max_steps (5,000 of the recipe's 7,500) and DFlash2 for DFlash's training time (5,000 x
-    # 51 ms) at 2.96x the step (1,689 steps: validations at 1,500 and at the end), plus its 49 s first call
+    # 53 ms) at 2.8x the step (1,786 steps: validations at 1,500 and at the end, 16 s x 0.9), plus its 41 s first call
     assert load_recipe("demo-gpu").compare_max_steps == 5000
     plain, both = gpu_stage_plan("demo-gpu"), gpu_stage_plan("demo-gpu", {}, "dflash2")
     assert list(both.seconds)[len(plain.seconds):] == ["train dflash2", "eval bfloat16 dflash2", "eval float32 dflash2"]
     assert both.seconds["train"] == pytest.approx(plain.seconds["train"] * 5000 / 7500)
-    assert both.seconds["train dflash2"] == pytest.approx(49 + 5000 * 0.051 + 2 * 15 * 1.3)
+    assert both.seconds["train dflash2"] == pytest.approx(41 + 5000 * 0.053 + 2 * 16 * 0.9)
     assert both.seconds["extract"] == pytest.approx(plain.seconds["extract"] * 1.2)
     given = gpu_stage_plan("demo-gpu", {"max_steps": 7500}, "dflash2")  # steps given: they win
     assert given.seconds["train"] == pytest.approx(plain.seconds["train"])
-    assert given.seconds["train dflash2"] == pytest.approx(49 + 7500 * 0.051 + 2 * 15 * 1.3)
+    assert given.seconds["train dflash2"] == pytest.approx(41 + 7500 * 0.053 + 2 * 16 * 0.9)
     # the shipped comparison fits one H200 machine's 30 minutes with its start and the model's upload (~18 by the
     # estimates; 7,500 steps would be ~23)
     assert sum(both.seconds.values()) < 20 * 60 < sum(given.seconds.values())

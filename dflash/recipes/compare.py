@@ -38,20 +38,21 @@ from typing import Any
 from dflash.recipes.stages import read_dict
 
 # The stage plan's figures (the time shares printed as each stage starts), on one H200 at the recipe's shape:
-# a DFlash2 training step against a DFlash one, measured 2026-12-03: 2.96x (~151 ms at steps 400-450 against ~51 ms,
-# the median windows of the runs' metrics.jsonl). Its loss reads the target's logits beside the drafter's (a second
-# vocabulary-wide matmul and softmax per slot) and its layers add two block convolutions; the recipe's small drafter
-# spends more of its step on the vocabulary than the Qwen3-8B shape's (1.3x there: 662.6 against ~510 ms, BENCHMARKS.md).
-# With equal training time it sets how many steps DFlash2 gets (hence its validations), not how long it trains.
-DFLASH2_TRAIN_FACTOR = 2.96
-# DFlash2's first compiled call (49 s in the comparison's run of 2026-12-03; DFlash's 31 s), and DFlash's step (~51 ms)
-# and one validation of the recipe's held-out cache (~15 s with 4 layers) (BENCHMARKS.md, "GPU recipe")
-DFLASH2_FIRST_CALL_S = 49.0
-DFLASH_STEP_S = 0.051
-VALIDATION_S = 15.0
-# its eval against DFlash's: the selector's pass is a loop of small steps over the block (in the drafter's CUDA
-# graph on a GPU); its validations likewise
-DFLASH2_EVAL_FACTOR = 1.3
+# a DFlash2 training step against a DFlash one, measured 2026-12-04: 2.80x (147.3 against 52.6 ms, the median
+# windows of the comparison's metrics.jsonl; 2.96x at steps 400-450 the day before). Its loss reads the target's
+# logits beside the drafter's (a second vocabulary-wide matmul and softmax per slot) and its layers add two block
+# convolutions; the recipe's small drafter spends more of its step on the vocabulary than the Qwen3-8B shape's (1.3x
+# there: 662.6 against ~510 ms, BENCHMARKS.md). With equal training time it sets how many steps DFlash2 gets (hence
+# its validations), not how long it trains.
+DFLASH2_TRAIN_FACTOR = 2.80
+# DFlash2's first compiled call (41 s in the comparison of 2026-12-04; DFlash's 42 s), and DFlash's step (~53 ms)
+# and one validation of the recipe's held-out cache (~16-18 s with 4 layers) (BENCHMARKS.md, "GPU recipe")
+DFLASH2_FIRST_CALL_S = 41.0
+DFLASH_STEP_S = 0.053
+VALIDATION_S = 16.0
+# its evals against DFlash's, which run first in the process and pay the target's compile: 52 against 59 s (bf16),
+# 28 against 31 s (float32), 2026-12-04; its validations are counted at this factor too
+DFLASH2_EVAL_FACTOR = 0.9
 # an extraction with --last-hidden against one without: the fp8 cache of 5 context layers writes a sixth layer's
 # bytes (+20%) and the target runs its last layers too
 LAST_HIDDEN_EXTRACT_FACTOR = 1.2
