@@ -8,8 +8,8 @@ one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the
   * a decode step feeds every row of the first n slots its newest token at its own position; n is the highest
     busy slot + 1 rounded up to a power of two (>= 8), and the step attends over the busy rows' longest length
     rounded up to the decoder's bucket: one graph per (n, bucket), captured on first use. On a GPU a step whose
-    rows' own columns are under VARLEN_MAX_SHARE (the kernel's) of that span reads only those (the decoder's variable-length
-    attention; a graph per (n, bucket) of that kind too). When the queue is empty
+    rows' own columns are under VARLEN_MAX_SHARE (the kernel's) of that span reads only those (the decoder's
+    variable-length attention; a graph per (n, bucket) of that kind too). When the queue is empty
     and the busy rows fit half of n, the highest busy rows move down into free slots (one copy of those rows)
     so the tail of a run decodes a smaller batch;
   * the slots start with start_len positions and grow (doubling, one copy of the cache, the graphs captured

@@ -246,6 +246,13 @@ def test_a_damaged_record_is_no_decision(tmp_path):
                        ("400 steps", False)):
         (tmp_path / "run.json").write_text(json.dumps({"dflash": "train", "config": {}, "time_budget": rec}))
         assert (read_record(str(tmp_path)) == rec) == whole and (read_record(str(tmp_path)) is None) != whole
+    revision = {"step": 200, "spent_s": 30.0, "step_s": 0.14, "total_steps": 420}
+    for revisions, whole in (([revision], True), ([revision, dict(revision, step=380)], True), ("none", False),
+                             ([dict(revision, spent_s=None)], False), ([revision, revision], False),
+                             ([dict(revision, step=380), revision], False), ([dict(revision, total_steps=0)], False)):
+        rec = dict(good, decided_steps=400, revisions=revisions)
+        (tmp_path / "run.json").write_text(json.dumps({"dflash": "train", "config": {}, "time_budget": rec}))
+        assert (read_record(str(tmp_path)) == rec) == whole, revisions
     (tmp_path / "run.json").write_text('{"dflash": "train", "conf')  # cut short
     assert read_record(str(tmp_path)) is None
 

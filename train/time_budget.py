@@ -73,7 +73,8 @@ def read_record(out: str) -> dict[str, Any] | None:
     revisions = rec.get("revisions", []) if ok else None
     ok = ok and isinstance(revisions, list) and all(
         isinstance(r, dict) and count(r.get("step")) and count(r.get("total_steps")) and number(r.get("step_s"))
-        for r in revisions) and [r["step"] for r in revisions] == sorted({r["step"] for r in revisions})
+        and number(r.get("spent_s")) for r in revisions)
+    ok = ok and [r["step"] for r in revisions] == sorted({r["step"] for r in revisions})  # increasing, no repeat
     return rec if ok else None  # a damaged record is no decision: the run measures again
 
 
