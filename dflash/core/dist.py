@@ -91,6 +91,17 @@ def compute_cleanup() -> None:
         torch.distributed.destroy_process_group()
 
 
+def finish() -> None:
+    """A rank whose command succeeded: wait for the others (they may still be writing what rank 0 reports), then take
+    the group down, so that no rank tears its connections down while a peer still uses the group (a finished rank of
+    a 2-process extract in CI aborted at exit with "terminate called without an active exception" while rank 0 was
+    still opening the cache it had written). Only on success: a rank that failed exits at once, and torchrun stops
+    the ranks that wait here."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+
+
 def barrier() -> None:
     if torch.distributed.is_initialized():
         torch.distributed.barrier()
