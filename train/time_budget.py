@@ -16,12 +16,13 @@ How (TimeBudget, driven by the Trainer):
     total: the budget is what was asked for, and a preset's max_steps would otherwise cut it short without a word
     (`dflash demo --compare dflash2` gives DFlash2 whatever number of steps DFlash's training time buys). Under
     torchrun every rank takes the slowest rank's step time (one all-reduce of the max), so all decide one total;
-  * the record: RUN/run.json's "time_budget" (the budget, the step time, the probe's steps, the total) and its
-    config.total_steps, written by rank 0 when decided and carried over by check_run_dir. A resumed run, or one that
-    starts over from step 0 after the decision, takes the recorded total and never measures again; a run stopped
-    before the decision measures again. A resume with another --time-budget decides again from the recorded step
-    time (no new probe), as a resume with another --max-steps stretches the schedule; one without --time-budget
-    trains the steps --max-steps / --epochs give;
+  * the record: RUN/run.json's "time_budget" (the budget, the step time, the probe's steps, the decided total, the
+    revisions and the total in effect) and its config.total_steps, written by rank 0 when decided or revised and
+    carried over by check_run_dir. A resumed run, or one that starts over from step 0 after the decision, keeps the
+    recorded decision and never probes again (it replays the revisions: below); a run stopped before the decision
+    measures again. A resume with another --time-budget decides again from the last recorded step time (no new
+    probe, the revisions dropped), as a resume with another --max-steps stretches the schedule; one without
+    --time-budget trains the steps --max-steps / --epochs give;
   * the revisions: a step time measured once, early, can be off for the whole run (DFlash2 on the H200: 172.5 ms over
     steps 4-53, then 163 ms a step by step 100 and 145 ms by step 1,000: the budget's steps trained in 0.87 of it).
     So when the run reaches half of its total, and again at nine tenths (REVISE_AT), it decides again: the training

@@ -317,7 +317,7 @@ class Trainer:
                            unit="step", warmup=3)  # the ETA's rate is timed after the compiled step's warm-up
         window = Window(time.perf_counter())
         t_start, steps_done = time.perf_counter(), 0
-        self.t_loop = t_start
+        self.t_loop = t_start  # trained_s: --time-budget's clock
         compiles_at_warm = None
         import torch._dynamo as dynamo
 
