@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .target import PackedTarget, packed_block_mask, packed_causal_mask
+from .target import PackedTarget
 
 FACTOR = 2.0
 FLOOR = 1e-3
@@ -68,17 +68,11 @@ class CompiledTarget:
 
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, out: torch.Tensor):
-        t = self.target
-        mask = packed_block_mask(doc_ids) if t.attn == "flex" else packed_causal_mask(doc_ids)[:, None]
         key = (tuple(out.shape), out.dtype)
         if key not in self.bufs:
             self.bufs[key] = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         buf = self.bufs[key]
-        t.capture.out = buf
-        try:
-            self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
-        finally:
-            t.capture.out = None
+        self.target.forward(self.model, input_ids, position_ids, doc_ids, buf)
         out.copy_(buf)
         out.masked_fill_((doc_ids == 0)[..., None], 0)
         return out

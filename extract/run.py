@@ -35,6 +35,7 @@ from dflash.core import progress
 from dflash.core.chat import load_chat_dataset
 from dflash.core.config import check
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.core.hybrid import check_layer_kinds
 from dflash.core.layers import default_layer_ids
 from dflash.core.paths import output_lock
 from dflash.core.target import TargetError, load_config, load_tokenizer, target_info, text_config, validate_layer_ids
@@ -153,6 +154,7 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
             raise TargetError(f"--last-hidden: the context layers {layer_ids} already hold the last layer ({last}) of "
                               f"{cfg.target}: pick --layers below it")
         layer_ids = [*layer_ids, last]
+    check_layer_kinds(hf_cfg, f"--target {cfg.target}", max(layer_ids) + 1)  # before any work (core/hybrid.py)
     H = tc.hidden_size
 
     # 2. the data, tokenised with the target's chat template and packed (identically on every rank)

@@ -9,31 +9,28 @@ from __future__ import annotations
 
 import torch
 
-from dflash.core.target import LayerCapture, load_causal_lm, load_config, text_config, validate_layer_ids
+from dflash.core.hybrid import (DocLayout, attention_masks, check_layer_kinds, document_block_mask, document_mask,
+                                 with_documents)
+from dflash.core.target import (LayerCapture, attention_implementation, load_causal_lm, load_config, text_config,
+                                validate_layer_ids)
 
 
 def packed_causal_mask(doc_ids: torch.Tensor) -> torch.Tensor:
-    """bool [R, 1, T, T], True = attend: causal within each document (padding attends to padding)."""
-    T = doc_ids.shape[1]
-    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
-    return (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
-
+    """bool [R, T, T], True = attend: causal within each document (padding attends to padding)."""
+    return document_mask(doc_ids)
 
 
 def packed_block_mask(doc_ids: torch.Tensor):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    R, T = doc_ids.shape
-
-    def mask_mod(b, h, q, kv):
-        return (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv])
-
-    return create_block_mask(mask_mod, R, None, T, T, device=doc_ids.device)
-
+    """The flex_attention BlockMask of packed_causal_mask."""
+    return document_block_mask(doc_ids)
 
 
 class PackedTarget:
-    """The truncated frozen target plus capture: run(ids, pos, docs, out) fills out [R, T, K*H]."""
+    """The truncated frozen target plus capture: run(ids, pos, docs, out) fills out [R, T, K*H].
+
+    Every layer kind keeps the row's conversations apart (dflash.core.hybrid): attention layers through a document
+    mask per kind (sliding windows within their window), linear-attention layers per conversation. A kind that
+    cannot be separated exactly is refused here, naming it, before anything loads."""
 
     def __init__(self, path: str, layer_ids: list[int], *, device="cpu", dtype=torch.float32, attn: str = "sdpa"):
         self.cfg = load_config(path)
@@ -41,22 +38,37 @@ class PackedTarget:
         self.num_layers = c.num_hidden_layers
         self.layer_ids = validate_layer_ids(layer_ids, self.num_layers, path)
         self.hidden_size = c.hidden_size
-        self.attn = attn
         need = max(self.layer_ids) + 1
-        impl = "flex_attention" if attn == "flex" else "sdpa"
-        self.model = load_causal_lm(path, device=device, dtype=dtype, attn_impl=impl, num_layers=need, with_head=False)
+        self.kinds = check_layer_kinds(self.cfg, f"--target {path}", need)
+        self.attn = attn
+        self.impl = "flex" if attn == "flex" else attention_implementation(self.cfg, "sdpa")
+        self.model = load_causal_lm(path, device=device, dtype=dtype, attn_impl="flex_attention" if attn == "flex"
+                                    else "sdpa", num_layers=need, with_head=False)
+        self.docs: DocLayout | None = None
+        self.linear_layers = with_documents(self.model, lambda: self.docs)
         last = self.num_layers - 1
         self.capture = LayerCapture(self.model, self.layer_ids, final_norm_for=last if last in self.layer_ids else None)
         self.device = torch.device(device)
 
+    def masks(self, doc_ids: torch.Tensor):
+        dtype = next(self.model.parameters()).dtype
+        return attention_masks(self.cfg, doc_ids, self.impl, dtype)
+
+    @torch.inference_mode()
+    def forward(self, model, input_ids, position_ids, doc_ids, buf: torch.Tensor) -> None:
+        """`model` (this target's model, or a compiled form of it) over the rows, the K layers into buf."""
+        mask = self.masks(doc_ids)
+        self.docs = DocLayout.of(doc_ids) if self.linear_layers else None
+        self.capture.out = buf
+        try:
+            model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
+        finally:
+            self.capture.out = None
+            self.docs = None
+
     @torch.inference_mode()
     def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, out: torch.Tensor):
         """One packed forward of [R, T] rows; padding positions of `out` are set to exact zeros."""
-        mask = packed_block_mask(doc_ids) if self.attn == "flex" else packed_causal_mask(doc_ids)[:, None]
-        self.capture.out = out
-        try:
-            self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
-        finally:
-            self.capture.out = None
+        self.forward(self.model, input_ids, position_ids, doc_ids, out)
         out.masked_fill_((doc_ids == 0)[..., None], 0)  # true zeros, not -0.0: padding costs nothing compressed
         return out

@@ -4,6 +4,7 @@ Nothing here downloads anything. The API is shared by every test module; keep it
 
     make_tiny_tokenizer() -> PreTrainedTokenizerFast
     make_tiny_target(path, arch="qwen3", num_layers=6, hidden=64, heads=4, kv_heads=2, extra_vocab=16, seed=0) -> str
+    make_tiny_family(path, family, num_layers=6, seed=0) -> str   # today's target families (FAMILIES), tiny and random
     chat_rows(n, seed=0, turns=(1, 3)) -> list[dict]         # OpenAI "messages" rows
     write_jsonl(path, rows) -> str
     smollm2_gguf() -> (directory, file name) | None         # the real SmolLM2-135M-Instruct GGUF, if installed
@@ -143,6 +144,64 @@ def make_tiny_target(
     config.dtype = torch.float32
     torch.manual_seed(seed)
     model = cls(config).to(torch.float32).eval()
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+# Today's target families, built from transformers' own config classes (tiny sizes, random weights, float32):
+#   qwen3_5      Qwen3_5ForCausalLM: Gated DeltaNet linear attention, full attention every 4th layer (Qwen3.5/3.6 text)
+#   qwen3_5_vl   Qwen3_5ForConditionalGeneration: the released Qwen3.5/3.6 checkpoints' layout (a vision tower beside it)
+#   qwen3_5_moe  Qwen3_5MoeForCausalLM: the hybrid with routed experts and a shared expert
+#   gpt_oss      GptOssForCausalLM: sliding-window and full attention alternating, attention sinks, experts
+FAMILIES = ("qwen3_5", "qwen3_5_vl", "qwen3_5_moe", "gpt_oss")
+
+
+def make_tiny_family(path, family: str, num_layers: int = 6, seed: int = 0, sliding_window: int = 24) -> str:
+    """Save a tiny random target of one of FAMILIES (float32) plus the tiny tokenizer into `path`."""
+    import torch
+    import transformers as tf
+
+    tok = make_tiny_tokenizer()
+    special = dict(bos_token_id=None, eos_token_id=tok.convert_tokens_to_ids("<|im_end|>"), pad_token_id=tok.pad_token_id)
+    vocab = len(tok) + 16
+    hybrid = dict(vocab_size=vocab, hidden_size=64, num_hidden_layers=num_layers, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                  max_position_embeddings=4096, tie_word_embeddings=False,
+                  layer_types=[("full_attention" if (i + 1) % 4 == 0 else "linear_attention")
+                               for i in range(num_layers)], **special)
+    if family == "qwen3_5":
+        config, cls = tf.Qwen3_5TextConfig(intermediate_size=128, **hybrid), tf.Qwen3_5ForCausalLM
+    elif family == "qwen3_5_vl":
+        text = tf.Qwen3_5TextConfig(intermediate_size=128, **hybrid)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                      num_position_embeddings=64)
+        config = tf.Qwen3_5Config(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+        cls = tf.Qwen3_5ForConditionalGeneration
+    elif family == "qwen3_5_moe":
+        config = tf.Qwen3_5MoeTextConfig(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=8,
+                                         num_experts_per_tok=2, **hybrid)
+        cls = tf.Qwen3_5MoeForCausalLM
+    elif family == "gpt_oss":
+        config = tf.GptOssConfig(vocab_size=vocab, hidden_size=64, intermediate_size=64, num_hidden_layers=num_layers,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                 num_experts_per_tok=2, sliding_window=sliding_window, max_position_embeddings=4096,
+                                 rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                                 layer_types=[("sliding_attention" if i % 2 == 0 else "full_attention")
+                                              for i in range(num_layers)], tie_word_embeddings=False, **special)
+        cls = tf.GptOssForCausalLM
+    else:
+        raise ValueError(f"family must be one of {FAMILIES}, got {family!r}")
+    config.dtype = torch.float32
+    torch.manual_seed(seed)
+    model = cls(config).to(torch.float32).eval()
+    with torch.no_grad():  # random sinks of the size a trained model has (init leaves them near zero)
+        for name, p in model.named_parameters():
+            if name.endswith(".sinks"):
+                p.normal_(0.0, 1.0)
     path = os.fspath(path)
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path)

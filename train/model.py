@@ -74,6 +74,10 @@ class DrafterError(DflashError, ValueError):
     """A drafter config, checkpoint or target head that cannot be used (one `error:` line in the CLI)."""
 
 
+# RoPE settings of a target that describe its own attention, not a Qwen3 drafter's (DrafterConfig.from_target)
+TARGET_ONLY_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
 @dataclass
 class DrafterConfig:
     hidden_size: int
@@ -149,10 +153,13 @@ class DrafterConfig:
         c = getattr(hf_config, "text_config", hf_config)
         L = c.num_hidden_layers
         heads = c.num_attention_heads
-        rope = _rope_of(c)
+        # the drafter is a Qwen3 decoder with full rotary embeddings: a target's partial rotary or multimodal RoPE
+        # sections (Qwen3.5/3.6) are its own and not carried over (the drafter's config would claim them)
+        rope = {k: v for k, v in _rope_of(c).items() if k not in TARGET_ONLY_ROPE_KEYS}
         kw = dict(
             hidden_size=c.hidden_size,
-            intermediate_size=c.intermediate_size,
+            # an experts target (Qwen3.5-MoE) has no dense MLP size: the dense-equivalent 3 x hidden
+            intermediate_size=getattr(c, "intermediate_size", None) or 3 * c.hidden_size,
             num_heads=heads,
             num_kv_heads=getattr(c, "num_key_value_heads", None) or heads,
             head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,

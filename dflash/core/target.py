@@ -233,16 +233,47 @@ def load_causal_lm(path: str, *, device="cpu", dtype=torch.float32, attn_impl: s
         return _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_head)
 
 
+def causal_lm_class(cfg):
+    """The causal-LM class transformers builds for `cfg`. For a multimodal checkpoint whose language model is the
+    target (Qwen3.5/3.6's ForConditionalGeneration, config with a text_config) that is the text model's own
+    ForCausalLM, which reads the language model's weights of such a checkpoint and leaves the vision tower on disk."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM._model_mapping[type(cfg)]
+    except (KeyError, AttributeError):
+        return None
+
+
+def attention_implementation(cfg, wanted: str) -> str:
+    """`wanted` ("sdpa", "flex_attention"), or "eager" for a model whose transformers class refuses SDPA (gpt-oss:
+    its attention sinks): eager takes the same masks as additive floats (dflash.core.hybrid.attention_masks)."""
+    cls = causal_lm_class(cfg)
+    if wanted == "sdpa" and cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+        return "eager"
+    return wanted
+
+
+def is_multimodal(cfg) -> bool:
+    """A wrapper config (a vision tower beside the language model) rather than a text model's own."""
+    return getattr(cfg, "text_config", None) is not None and getattr(cfg, "vision_config", None) is not None
+
+
 def _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_head):
     from transformers import AutoModel, AutoModelForCausalLM
 
     cfg = load_config(path)
     if num_layers is not None:
         cfg = _truncated_config(cfg, num_layers)
-    cls = AutoModelForCausalLM if with_head else AutoModel
+    attn_impl = attention_implementation(cfg, attn_impl)
+    # a multimodal wrapper's language model is loaded through the causal LM (AutoModel would build the wrapper,
+    # vision tower included): the head is dropped after loading
+    cls = AutoModelForCausalLM if with_head or is_multimodal(cfg) else AutoModel
     try:
         if gguf is None:
             model = cls.from_pretrained(d, config=cfg, dtype=dtype, attn_implementation=attn_impl)
+            if not with_head and cls is AutoModelForCausalLM:
+                model = model.model
         else:
             model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation=attn_impl)
             state = load_gguf_state(os.path.join(d, gguf), model)
@@ -303,7 +334,7 @@ def convert_gguf(gguf_path: str, out_dir: str, dtype=torch.bfloat16) -> str:
 
 def decoder_layers(model) -> torch.nn.ModuleList:
     base = getattr(model, "model", model)
-    for attr in ("layers", "h", "decoder.layers"):
+    for attr in ("layers", "h", "decoder.layers", "language_model.layers"):
         obj = base
         for part in attr.split("."):
             obj = getattr(obj, part, None)
