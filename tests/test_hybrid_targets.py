@@ -226,3 +226,64 @@ def test_extract_train_export_each_family(work, family_targets, hf_cli, family):
     res = hf_cli("export", run / "final", "--format", "zlab", "--out", out, "--check")
     assert res.exit_code == 0, res.output
     assert "read" in res.output and "as trained" in res.output
+
+
+def test_gpt_oss_drafter_rope_is_the_targets_yarn():
+    """A drafter of a gpt-oss target takes its YaRN RoPE: the inverse frequencies and the attention factor on cos
+    and sin equal transformers' own rotary embedding of that config."""
+    import transformers as tf
+
+    from dflash.train.model import DrafterConfig
+    from dflash.train.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
+
+    cfg = tf.GptOssConfig()
+    d = DrafterConfig.from_target(cfg, num_layers=2, layer_ids=[1, 6, 11, 16, 21], block_size=8, mask_token_id=200000)
+    assert d.rope_scaling["rope_type"] == "yarn"
+    pos = torch.tensor([[0, 1, 7, 64, 512, 4095, 4096, 8191, 100_000]])
+    cos, sin = tf.models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding(cfg)(torch.zeros(1, 9, 64), pos)
+    mine_cos, mine_sin = rope_cos_sin(rope_inv_freq(d), pos, torch.float32, rope_attention_factor(d))
+    half = cos.shape[-1]  # gpt-oss keeps one copy of each frequency; the drafter rotates halves (Qwen3's layout)
+    assert rope_attention_factor(d) > 1.3
+    assert (mine_cos[..., :half] - cos).abs().max() < 1e-5 and (mine_sin[..., half:] - sin).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("preset,config,params", [
+    ("qwen3.6-27b", "Qwen3_5Config", None),
+    ("gpt-oss-20b", "GptOssConfig", (0.75e9, 0.85e9)),
+])
+def test_presets_shape_the_published_drafters(preset, config, params):
+    """The presets for today's targets give the published drafters' shapes on the real targets' configs: layer ids,
+    block, mask token, drafter layers and their kinds, heads and MLP (gpt-oss-20b's drafter has ~0.8B parameters)."""
+    import transformers as tf
+
+    from dflash.core.config import build, read_preset
+    from dflash.extract.run import ExtractConfig
+    from dflash.train.config import TrainConfig, draft_layer_types
+    from dflash.train.model import DFlashDrafter, DrafterConfig
+
+    ext = build(ExtractConfig, preset, "extract", {"target": "t", "data": "d", "out": "o"})
+    tr = build(TrainConfig, preset, "train", {"target": "t", "cache": "c", "out": "o"})
+    if config == "Qwen3_5Config":  # the released checkpoint's layout: 64 layers, H 5120, 48 linear + 16 full
+        text = tf.Qwen3_5TextConfig(hidden_size=5120, intermediate_size=17408, num_hidden_layers=64,
+                                    num_attention_heads=24, num_key_value_heads=4, head_dim=256,
+                                    linear_num_value_heads=48, linear_num_key_heads=16, vocab_size=248320)
+        target = tf.Qwen3_5Config(text_config=text.to_dict())
+        want = dict(layers=[1, 16, 31, 46, 61], block=16, mask=248070, heads=(32, 8, 128), mlp=17408,
+                    kinds=["sliding_attention"] * 4 + ["full_attention"], window=2048)
+    else:
+        target = tf.GptOssConfig()
+        want = dict(layers=[1, 6, 11, 16, 21], block=8, mask=200000, heads=(64, 8, 64), mlp=7680,
+                    kinds=["full_attention"] * 8, window=None)
+    assert ext.layers == want["layers"]
+    d = DrafterConfig.from_target(target, num_layers=tr.drafter_layers, layer_ids=ext.layers,
+                                  block_size=tr.block_size, mask_token_id=tr.mask_token_id,
+                                  sliding_window=tr.draft_window, layer_types=draft_layer_types(tr) or [],
+                                  **(tr.drafter_shape or {}))
+    assert (d.target_layer_ids, d.block_size, d.mask_token_id) == (want["layers"], want["block"], want["mask"])
+    assert (d.num_heads, d.num_kv_heads, d.head_dim, d.intermediate_size) == (*want["heads"], want["mlp"])
+    assert d.layer_types == want["kinds"] and d.sliding_window == want["window"]
+    assert "partial_rotary_factor" not in (d.rope_scaling or {})
+    if params:
+        with torch.device("meta"):
+            n = sum(p.numel() for p in DFlashDrafter(d).parameters())
+        assert params[0] < n < params[1], n

@@ -32,6 +32,9 @@ class TrainConfig:
     # every layer is sliding_attention unless draft_layer_types names each layer's kind
     draft_window: int | None = None
     draft_layer_types: list[str] | None = None
+    # the drafter's attention and MLP where they are not the target's (a preset's, e.g. the published Qwen3.6-27B
+    # drafter: 32 heads of 128 beside the target's 24 of 256): keys of DRAFTER_SHAPE_KEYS
+    drafter_shape: dict | None = None
     # dflash2 only (speculators' defaults): the convolution's taps and channels per group, the selector's rank, the
     # candidates it reranks, and the weight of its loss
     conv_kernel_size: int = 2
@@ -100,6 +103,19 @@ class TrainConfig:
         check(self.drafter_layers >= 1, "drafter_layers", f"must be >= 1, got {self.drafter_layers}")
         check(self.draft_window is None or self.draft_window >= 1, "draft_window",
               f"must be >= 1 (positions before the anchor a sliding layer sees), got {self.draft_window}")
+        if self.drafter_shape is not None:
+            shape = self.drafter_shape
+            bad = sorted(set(shape) - set(DRAFTER_SHAPE_KEYS))
+            check(not bad, "drafter_shape", f"unknown key(s) {', '.join(bad)} (known: {', '.join(DRAFTER_SHAPE_KEYS)})")
+            for key in ("num_heads", "num_kv_heads", "head_dim", "intermediate_size"):
+                v = shape.get(key)
+                check(v is None or (isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 1 << 20),
+                      "drafter_shape", f"{key} must be a positive integer, got {v!r}")
+            theta = shape.get("rope_theta")
+            check(theta is None or (isinstance(theta, (int, float)) and not isinstance(theta, bool) and 0 < theta < 1e12),
+                  "drafter_shape", f"rope_theta must be a positive number, got {theta!r}")
+            check(shape.get("rope_scaling") is None or isinstance(shape.get("rope_scaling"), dict), "drafter_shape",
+                  "rope_scaling must be a mapping")
         if self.draft_layer_types is not None:
             kinds = self.draft_layer_types
             check(isinstance(kinds, list) and len(kinds) == self.drafter_layers, "draft_layer_types",
@@ -187,6 +203,8 @@ DFLASH2_SETTINGS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sel
 DFLASH2_ONLY = ("is a setting of --arch dflash2 (the DFlash drafter has no block convolution or candidate selector): "
                 "give --arch dflash2, or leave it out")
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# what a preset's drafter_shape may set (train/model.py DrafterConfig fields; the rest follows the target)
+DRAFTER_SHAPE_KEYS = ("num_heads", "num_kv_heads", "head_dim", "intermediate_size", "rope_theta", "rope_scaling")
 
 
 def draft_layer_types(cfg: TrainConfig) -> list[str] | None:
@@ -201,9 +219,10 @@ def draft_layer_types(cfg: TrainConfig) -> list[str] | None:
 IDENTITY = ("cache", "target", "drafter_layers", "block_size", "mask_token_id", "num_anchors", "gamma", "batch_rows",
             "grad_accum", "lr", "min_lr_ratio", "warmup_ratio", "weight_decay", "beta1", "beta2", "grad_clip", "seed",
             "param_dtype", "attn", "shuffle_window", "arch", "draft_window", "draft_layer_types", "conv_kernel_size",
-            "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha")
+            "conv_group_size", "selector_rank", "selector_top_k", "selector_loss_alpha", "drafter_shape")
 # what a run.json written before a setting existed is read as having (that run trained with it)
-IDENTITY_DEFAULTS = {"arch": "dflash", "draft_window": None, "draft_layer_types": None, "conv_kernel_size": 2,
+IDENTITY_DEFAULTS = {"arch": "dflash", "draft_window": None, "draft_layer_types": None, "drafter_shape": None,
+                     "conv_kernel_size": 2,
                      "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16, "selector_loss_alpha": 1.0}
 
 

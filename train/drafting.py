@@ -71,7 +71,7 @@ class StaticDraft:
         B = self.block.shape[1]
         cpos = self.start + self.offsets  # [1, B]
         ctx = d.fuse_context(self.hidden)
-        ccos, csin = rope_cos_sin(d.inv_freq, cpos, ctx.dtype)
+        ccos, csin = rope_cos_sin(d.inv_freq, cpos, ctx.dtype, d.rope_scale)
         for i, layer in enumerate(d.layers):
             k, v = layer.self_attn.kv(ctx, ccos, csin)
             c.k[i].index_copy_(2, cpos[0], k)
@@ -79,7 +79,7 @@ class StaticDraft:
         c.pos.index_copy_(1, cpos[0], cpos)
         positions = self.n + self.offsets
         x = d.embed(self.block)
-        cos, sin = rope_cos_sin(d.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(d.inv_freq, positions, x.dtype, d.rope_scale)
         visible = torch.cat([self.kidx < self.n, self.kidx.new_ones(B, dtype=torch.bool)])  # [len + B]
         mask = visible[None, None, None, :].expand(1, 1, B, visible.shape[0])
         for i, layer in enumerate(d.layers):

@@ -63,7 +63,8 @@ from dflash.core.layers import default_layer_ids
 from dflash.train.attention import split_block_attention, split_mask
 from dflash.train.blocks import Blocks, attend, dense_block_mask, flex_block_mask, make_blocks_opaque
 from dflash.train.loss import chunked_block_loss
-from dflash.train.rope import _rope_of, apply_rope, rope_cos_sin, rope_inv_freq, rotate_half  # noqa: F401
+from dflash.train.rope import (_rope_of, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq,  # noqa: F401
+                               rotate_half)
 
 # --------------------------------------------------------------------------------------------
 # Config
@@ -310,6 +311,7 @@ class DFlashDrafter(nn.Module):
         self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.rope_scale = rope_attention_factor(cfg)  # YaRN's cos/sin factor (1.0 otherwise)
         # The target's embedding and LM head: frozen, never saved with the drafter.
         self.register_buffer("embed_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
         self.register_buffer("lm_head_weight", torch.zeros(cfg.vocab_size, cfg.hidden_size), persistent=False)
@@ -402,8 +404,8 @@ class DFlashDrafter(nn.Module):
         ctx = self.fuse_context(hidden, hidden_scales)  # [R, T, H]
         x = self.embed(blocks.tokens.view(R, N * B))  # [R, NB, H]
         dtype = x.dtype
-        ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype)
-        q_cos, q_sin = rope_cos_sin(self.inv_freq, blocks.positions.view(R, N * B), dtype)
+        ctx_cos, ctx_sin = rope_cos_sin(self.inv_freq, blocks.ctx_positions, dtype, self.rope_scale)
+        q_cos, q_sin = rope_cos_sin(self.inv_freq, blocks.positions.view(R, N * B), dtype, self.rope_scale)
         for layer in self.layers:
             x = self._layer(layer, x, ctx, q_cos, q_sin, ctx_cos, ctx_sin, masks[layer.self_attn.window])
         return self.norm(x.view(R, N, B, -1)[:, :, 1:])  # slots 1..B-1: [R, N, B-1, H]
@@ -422,7 +424,7 @@ class DFlashDrafter(nn.Module):
     def extend_context(self, cache: "ContextCache", hidden: torch.Tensor, positions: torch.Tensor) -> None:
         """Append target hidden states [b, L, K*H] at positions [b, L] to the context cache."""
         ctx = self.fuse_context(hidden)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype, self.rope_scale)
         ks, vs = [], []
         for layer in self.layers:
             k, v = layer.self_attn.kv(ctx, cos, sin)
@@ -437,7 +439,7 @@ class DFlashDrafter(nn.Module):
     def draft_states(self, cache: "ContextCache", block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The normalised outputs [b, B-1, H] of slots 1..B-1 (what the LM head and DFlash2's selector read)."""
         x = self.embed(block_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype, self.rope_scale)
         n = cache.length
         for i, layer in enumerate(self.layers):
             mask = None

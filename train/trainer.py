@@ -136,7 +136,8 @@ class Trainer:
             self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.context_layer_ids,
                                                   block_size=cfg.block_size, mask_token_id=mask_id,
                                                   sliding_window=cfg.draft_window,
-                                                  layer_types=draft_layer_types(cfg) or [], arch=cfg.arch, **dflash2)
+                                                  layer_types=draft_layer_types(cfg) or [], arch=cfg.arch, **dflash2,
+                                                  **(cfg.drafter_shape or {}))
         except DrafterError as e:  # a setting the target's shape does not allow (e.g. a group not dividing H)
             raise ConfigError(f"--arch {cfg.arch}: {e}") from None
         T = cache.seq_len
