@@ -40,10 +40,11 @@ class PackedTarget:
         self.hidden_size = c.hidden_size
         need = max(self.layer_ids) + 1
         self.kinds = check_layer_kinds(self.cfg, f"--target {path}", need)
-        self.attn = attn
-        self.impl = "flex" if attn == "flex" else attention_implementation(self.cfg, "sdpa")
-        self.model = load_causal_lm(path, device=device, dtype=dtype, attn_impl="flex_attention" if attn == "flex"
-                                    else "sdpa", num_layers=need, with_head=False)
+        impl = attention_implementation(self.cfg, "flex_attention" if attn == "flex" else "sdpa")
+        self.attn = "flex" if impl == "flex_attention" else "sdpa"  # what runs: Qwen3.5 has no flex attention
+        self.impl = "flex" if impl == "flex_attention" else impl  # the masks' form (attention_masks)
+        self.model = load_causal_lm(path, device=device, dtype=dtype, attn_impl=impl, num_layers=need,
+                                    with_head=False)
         self.docs: DocLayout | None = None
         self.linear_layers = with_documents(self.model, lambda: self.docs)
         last = self.num_layers - 1

@@ -261,3 +261,28 @@ def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):
         assert speculative(t, graph, p, 32, set()).tokens == ref
         assert graph.graph_status == "graph" and graph.static.graph is not None
         assert graph_drafts == eager_drafts and len(graph_drafts) > 3
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe", "gpt_oss"])
+def test_hybrid_packed_rows_on_gpu_equal_each_conversation_alone(tmp_path, family):
+    """On the GPU (flex document masks per attention kind; flash-linear-attention's varlen delta rule where it is
+    installed), every conversation of a packed row equals it run alone through transformers' own model on the GPU,
+    float32; the compiled forward passes its check against eager."""
+    from tiny import make_tiny_family
+    from test_hybrid_targets import errors_by_position, packed_rows, reference_model
+
+    from dflash.extract.compiled import compiled_or_eager
+    from dflash.extract.target import PackedTarget
+
+    path = make_tiny_family(str(tmp_path / family), family, num_layers=6, sliding_window=24)
+    docs, plan, arrays = packed_rows()
+    layer_ids = list(range(6))
+    target = PackedTarget(path, layer_ids, device="cuda", dtype=torch.float32, attn="flex")
+    t = {k: torch.from_numpy(v).long().cuda() for k, v in arrays.items()}
+    out = torch.zeros(*arrays["input_ids"].shape, 6 * 64, device="cuda")
+    target.run(t["input_ids"], t["position_ids"], t["doc_ids"], out)
+    ref = reference_model(path, family).cuda()
+    errs = errors_by_position(out.cpu(), arrays, plan, docs, ref, layer_ids, device="cuda")
+    assert max(errs.values()) < 5e-3, errs
+    runner, report = compiled_or_eager(target, (t["input_ids"], t["position_ids"], t["doc_ids"]))
+    assert report["passed"], report

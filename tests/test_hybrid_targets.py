@@ -51,13 +51,14 @@ def reference_model(path: str, family: str):
 
     cls = tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5_vl" else tf.AutoModelForCausalLM
     impl = "eager" if family == "gpt_oss" else "sdpa"  # gpt-oss refuses SDPA (sinks)
-    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation=impl).eval()
+    return cls.from_pretrained(path, dtype=torch.float32, attn_implementation=impl, use_kernels=False).eval()
 
 
-def alone(model, ids: np.ndarray):
+def alone(model, ids: np.ndarray, device="cpu"):
     with torch.inference_mode():
-        return model(input_ids=torch.as_tensor(ids, dtype=torch.long)[None], output_hidden_states=True,
-                     use_cache=False).hidden_states
+        hs = model(input_ids=torch.as_tensor(ids, dtype=torch.long, device=device)[None], output_hidden_states=True,
+                   use_cache=False).hidden_states
+    return [h.cpu() for h in hs]
 
 
 def packed_rows(T=128, seed=7):
@@ -68,7 +69,7 @@ def packed_rows(T=128, seed=7):
     return docs, plan, arrays
 
 
-def errors_by_position(out, arrays, plan, docs, ref, layer_ids):
+def errors_by_position(out, arrays, plan, docs, ref, layer_ids, device="cpu"):
     """{(row, index in row): worst relative error over the layers} of each conversation against it run alone."""
     errs = {}
     for r, row in enumerate(plan):
@@ -77,7 +78,7 @@ def errors_by_position(out, arrays, plan, docs, ref, layer_ids):
             ids = docs[d][0]
             m = len(ids)
             assert np.array_equal(arrays["input_ids"][r, t:t + m], ids)
-            hs = alone(ref, ids)
+            hs = alone(ref, ids, device)
             worst = 0.0
             for k, i in enumerate(layer_ids):
                 got = out[r, t:t + m, k * HIDDEN:(k + 1) * HIDDEN].double()

@@ -246,10 +246,15 @@ def causal_lm_class(cfg):
 
 
 def attention_implementation(cfg, wanted: str) -> str:
-    """`wanted` ("sdpa", "flex_attention"), or "eager" for a model whose transformers class refuses SDPA (gpt-oss:
-    its attention sinks): eager takes the same masks as additive floats (dflash.core.hybrid.attention_masks)."""
+    """`wanted` ("sdpa", "flex_attention") where the model's transformers class supports it; else SDPA (Qwen3.5's
+    hybrid has no flex attention), else "eager" (gpt-oss refuses SDPA: its attention sinks). Eager takes the same
+    masks as additive floats (dflash.core.hybrid.attention_masks)."""
     cls = causal_lm_class(cfg)
-    if wanted == "sdpa" and cls is not None and getattr(cls, "_supports_sdpa", True) is False:
+    if cls is None:
+        return wanted
+    if wanted == "flex_attention" and getattr(cls, "_supports_flex_attn", True) is False:
+        wanted = "sdpa"
+    if wanted == "sdpa" and getattr(cls, "_supports_sdpa", True) is False:
         return "eager"
     return wanted
 
@@ -271,7 +276,10 @@ def _load_causal_lm(path, d, gguf, device, dtype, attn_impl, num_layers, with_he
     cls = AutoModelForCausalLM if with_head or is_multimodal(cfg) else AutoModel
     try:
         if gguf is None:
-            model = cls.from_pretrained(d, config=cfg, dtype=dtype, attn_implementation=attn_impl)
+            # use_kernels=False: transformers would otherwise fetch layers from its kernel hub at load time (a
+            # network dependency and other numerics); the kernels of installed packages (flash-linear-attention)
+            # are used either way
+            model = cls.from_pretrained(d, config=cfg, dtype=dtype, attn_implementation=attn_impl, use_kernels=False)
             if not with_head and cls is AutoModelForCausalLM:
                 model = model.model
         else:
