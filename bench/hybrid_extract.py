@@ -56,7 +56,7 @@ def hybrid_dir(path: str, layers: int) -> str:
     return path
 
 
-def batches(target_dir: str, data: str, seq_len: int, rows: int, n: int):
+def batches(target_dir: str, data: str, seq_len: int, rows: int, n: int, from_end: bool = False):
     from dflash.core.chat import load_chat_dataset
     from dflash.core.target import load_tokenizer
     from dflash.extract.data import ChatTokenizer, tokenize_dataset
@@ -66,8 +66,9 @@ def batches(target_dir: str, data: str, seq_len: int, rows: int, n: int):
     d = tokenize_dataset(load_chat_dataset(data), ChatTokenizer(tok), seq_len, data, progress=False)
     plan = pack(d.lengths, seq_len)
     out = []
+    first = (len(plan) // rows - n) * rows if from_end else 0  # the packer places the longest conversations first
     for b in range(n):
-        arr = materialize(plan, d.docs, seq_len, 0, b * rows, (b + 1) * rows)
+        arr = materialize(plan, d.docs, seq_len, 0, first + b * rows, first + (b + 1) * rows)
         out.append({k: torch.from_numpy(arr[k]).long().cuda() for k in ("input_ids", "position_ids", "doc_ids")})
     return out, plan
 
@@ -89,12 +90,14 @@ def main():
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--batches", type=int, default=6)
     ap.add_argument("--chats", type=int, default=600)
+    ap.add_argument("--from-end", action="store_true", help="the plan's last rows (the most conversations a row)")
     ap.add_argument("--skip", default="")
     ap.add_argument("--json", default=None)
     ap.add_argument("--work", default="/root/bench-hybrid")
     a = ap.parse_args()
     skip = set(a.skip.split(","))
-    res: dict = {"hardware": hardware(), "layers": a.layers, "rows": a.rows, "seq_len": a.seq_len}
+    res: dict = {"hardware": hardware(), "layers": a.layers, "rows": a.rows, "seq_len": a.seq_len,
+                 "from_end": a.from_end}
 
     def save():
         print(json.dumps(res, indent=1), flush=True)
@@ -110,9 +113,10 @@ def main():
     os.makedirs(a.work, exist_ok=True)
     target = hybrid_dir(os.path.join(a.work, f"qwen3.6-27b-{a.layers}l"), a.layers)
     data = write_jsonl(os.path.join(a.work, "chats.jsonl"), synthetic_chats(a.chats, mean_tokens=900))
-    bs, plan = batches(target, data, a.seq_len, a.rows, a.batches)
+    bs, plan = batches(target, data, a.seq_len, a.rows, a.batches, a.from_end)
     real = sum(int((b["doc_ids"] != 0).sum()) for b in bs[1:])
-    res["conversations_per_row"] = round(sum(len(r) for r in plan[:a.rows * a.batches]) / (a.rows * a.batches), 2)
+    res["conversations_per_row"] = round(sum(int((b["doc_ids"].diff(dim=1) > 0).sum()) + int((b["doc_ids"][:, 0] > 0)
+                                             .sum()) for b in bs) / (a.rows * a.batches), 2)
     layer_ids = sorted({1, a.layers // 4, a.layers // 2, (3 * a.layers) // 4, a.layers - 2})
 
     from dflash.core.target import load_causal_lm
