@@ -90,3 +90,60 @@ def layer_state(cache, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None
     """(conv window, recurrent state) of linear-attention layer i (tests compare them with a fresh run)."""
     layer = cache.layers[i]
     return layer.conv_states.get(0), layer.recurrent_states.get(0)
+
+
+# ------------------------------------------------------------------------------------------------ batch rows
+# The eager batch decoder (extract/kind_engine.py) keeps rows left-padded to one width: the attention layers' keys
+# right-aligned (padding columns masked by the 2D attention mask), the linear layers' states per row.
+
+
+def _layer_kind(layer) -> str:
+    from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
+
+    if isinstance(layer, (LinearAttentionLayer,)) and not isinstance(layer, DynamicLayer):
+        return "linear"
+    if isinstance(layer, DynamicSlidingWindowLayer):
+        return "sliding"
+    if type(layer) is DynamicLayer:
+        return "full"
+    raise TypeError(f"a decoding cache layer of type {type(layer).__name__} (not laid out by decoding_cache)")
+
+
+def _left_pad(x: torch.Tensor, n: int) -> torch.Tensor:
+    """[B, H, t, D] padded with zeros on the left of dim 2 to n columns."""
+    return torch.nn.functional.pad(x, (0, 0, n - x.shape[2], 0)) if x.shape[2] < n else x
+
+
+def stack_rows(caches: list, width: int):
+    """One cache holding the rows of `caches` in turn, each right-aligned to `width` columns (every cache's rows
+    share its own width <= width: the positions before a row's first real token are padding)."""
+    import copy
+
+    out = copy.copy(caches[0])
+    out.layers = []
+    for layers in zip(*(c.layers for c in caches)):
+        kind = _layer_kind(layers[0])
+        new = copy.copy(layers[0])
+        if kind == "linear":
+            new.conv_states = {0: torch.cat([la.conv_states[0] for la in layers])}
+            new.recurrent_states = {0: torch.cat([la.recurrent_states[0] for la in layers])}
+            new.has_previous_state = {0: True}
+            new.cumulative_length_linear = torch.tensor(width, dtype=torch.long, device=new.conv_states[0].device)
+        else:
+            keep = width if kind == "full" else min(width, layers[0].sliding_window - 1)
+            new.keys = torch.cat([_left_pad(la.keys, keep) for la in layers])
+            new.values = torch.cat([_left_pad(la.values, keep) for la in layers])
+            if kind == "sliding":
+                new.cumulative_length = width
+        out.layers.append(new)
+    return out
+
+
+def select_rows(cache, rows: torch.Tensor) -> None:
+    """Keep batch rows `rows` of every layer (in place)."""
+    for layer in cache.layers:
+        if _layer_kind(layer) == "linear":
+            layer.conv_states = {0: layer.conv_states[0][rows]}
+            layer.recurrent_states = {0: layer.recurrent_states[0][rows]}
+        else:
+            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
