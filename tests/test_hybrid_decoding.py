@@ -178,25 +178,36 @@ def test_batched_greedy_generation_equals_the_targets_own(targets, family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", "gpt_oss"])
-def test_regenerate_writes_the_targets_greedy_answers(targets, family, work):
+def test_regenerate_writes_the_targets_greedy_answers(targets, family, work, capsys):
+    """Every assistant turn of multi-turn conversations is the target's greedy answer to the conversation so far
+    (earlier answers its own); on Qwen3.5 a turn may go on in its row (--continue-turns: continuation ids fed)."""
     from dflash.extract.regenerate import RegenerateConfig, run_regenerate
 
     model, ref_model = models(targets, family)
     tok = load_tokenizer(targets[family])
     eos = {tok.convert_tokens_to_ids("<|im_end|>")}
-    data = write_jsonl(work / "regen.jsonl", chat_rows(4, seed=6, turns=(1, 1)))
+    data = write_jsonl(work / "regen.jsonl", chat_rows(4, seed=6, turns=(2, 2)))
     out = work / f"regen-{family}"
     run_regenerate(RegenerateConfig(target=targets[family], data=str(data), out=str(out), max_new_tokens=8,
-                                    batch_size=2, part_size=4, progress=False, device="cpu"))
+                                    batch_size=2, part_size=4, progress=False, device="cpu",
+                                    continue_turns=family == "qwen3_5"))
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "the eager decoder" in ln]
+    assert len(said) == 1 and said[0].startswith("regenerate: ") and said[0].endswith("(no CUDA graphs)")
     rows = [json.loads(ln) for f in sorted(glob.glob(os.path.join(out, "data", "part-*.jsonl"))) for ln in open(f)]
     assert len(rows) == 4
+    turns = 0
     for r in rows:
         msgs = r["messages"]
-        text = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False)
-        ids = tok(text, add_special_tokens=False)["input_ids"]
-        ref = hf_greedy(ref_model, ids, 8, eos)
-        ref = ref[:-1] if ref[-1] in eos else ref
-        assert msgs[-1]["content"] == tok.decode(ref, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            text = tok.apply_chat_template(msgs[:i], add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            ref = hf_greedy(ref_model, ids, 8, eos)
+            ref = ref[:-1] if ref[-1] in eos else ref
+            assert m["content"] == tok.decode(ref, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            turns += 1
+    assert turns > len(rows)  # some conversations have two answers
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "gpt_oss"])
