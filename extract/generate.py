@@ -5,6 +5,9 @@ commands can use it alone:
     generate(model, prompts, eos_ids=..., max_new_tokens=256)      # prompts in, Results out (tests, bench);
                                                                     # eos ids: dflash.core.chat.eos_ids_of
     Engine(model, ...).add(Request(...)); Engine.step() until idle  # the streaming form the command drives
+    eager_engine(model)                                             # Engine, or extract/kind_engine.py's
+                                                                    # KindEngine for linear-attention and
+                                                                    # sliding-window targets (their own cache)
 
 The generator (Engine) is a plain decoding loop over the HF causal LM (no `model.generate`):
   * a batch of rows, left-padded: a 2D real-token mask over the KV-cache columns, explicit position ids that count
