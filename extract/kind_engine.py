@@ -10,7 +10,7 @@ What differs from Engine (whose SlabCache and 4D boolean mask assume every layer
     convolution and the delta rule, so a left-padded row's state is that of its real tokens alone);
   * a refill's prefilled chunks join the batch right-aligned by decode_state.stack_rows (attention keys padded on
     the left, linear layers' conv and recurrent states per row); a compaction keeps rows with
-    decode_state.select_rows and cuts no columns (the 2D mask keeps its width).
+    decode_state.select_rows and cuts the leading columns that are padding for every kept row, as Engine does.
 
 No CUDA graphs: extract/slot_engine.py's static KV cache has no per-slot recurrent state or window yet. Greedy rows
 decode the target's own greedy text (tests/test_hybrid_decoding.py), whatever the batch they ran in.
@@ -97,8 +97,10 @@ class KindEngine(Engine):
             self.rows, self.cache, self.mask, self.last, self.pos = [], None, None, None, None
             return
         idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        self.mask = self.mask[idx]
+        mask = self.mask[idx]
+        trim = int(mask.any(0).long().argmax())  # leading columns that are padding for every kept row
+        self.mask = mask[:, trim:]
         self.copied_columns += len(keep) * self.mask.shape[1]
         self.last, self.pos = self.last[idx], self.pos[idx]
-        select_rows(self.cache, idx)
+        select_rows(self.cache, idx, trim)
         self.rows = [self.rows[i] for i in keep]

@@ -139,11 +139,22 @@ def stack_rows(caches: list, width: int):
     return out
 
 
-def select_rows(cache, rows: torch.Tensor) -> None:
-    """Keep batch rows `rows` of every layer (in place)."""
+def select_rows(cache, rows: torch.Tensor, trim: int = 0) -> None:
+    """Keep batch rows `rows` of every layer and drop the first `trim` columns (padding for every kept row), in
+    place: full-attention keys lose those columns, a sliding-window layer keeps at most its new width, the linear
+    layers' states (per row, of fixed size) only count the shorter width."""
     for layer in cache.layers:
-        if _layer_kind(layer) == "linear":
+        kind = _layer_kind(layer)
+        if kind == "linear":
             layer.conv_states = {0: layer.conv_states[0][rows]}
             layer.recurrent_states = {0: layer.recurrent_states[0][rows]}
+            layer.cumulative_length_linear = layer.cumulative_length_linear - trim
+            continue
+        keys, values = layer.keys[rows], layer.values[rows]
+        if kind == "full":
+            keys, values = keys[:, :, trim:], values[:, :, trim:]
         else:
-            layer.keys, layer.values = layer.keys[rows], layer.values[rows]
+            layer.cumulative_length -= trim
+            width = min(keys.shape[2], layer.cumulative_length)
+            keys, values = keys[:, :, keys.shape[2] - width:], values[:, :, values.shape[2] - width:]
+        layer.keys, layer.values = keys, values
