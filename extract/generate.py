@@ -5,6 +5,9 @@ commands can use it alone:
     generate(model, prompts, eos_ids=..., max_new_tokens=256)      # prompts in, Results out (tests, bench);
                                                                     # eos ids: dflash.core.chat.eos_ids_of
     Engine(model, ...).add(Request(...)); Engine.step() until idle  # the streaming form the command drives
+    eager_engine(model)                                             # Engine, or extract/kind_engine.py's
+                                                                    # KindEngine for linear-attention and
+                                                                    # sliding-window targets (their own cache)
 
 The generator (Engine) is a plain decoding loop over the HF causal LM (no `model.generate`):
   * a batch of rows, left-padded: a 2D real-token mask over the KV-cache columns, explicit position ids that count
@@ -393,6 +396,18 @@ class Engine:
         self.rows = [self.rows[i] for i in keep]
 
 
+def eager_engine(model) -> type:
+    """Engine for a target of full-attention layers only; extract/kind_engine.py's KindEngine (transformers' cache
+    and masks per layer kind) for one with linear-attention or sliding-window layers."""
+    from dflash.core.decode_state import needs_kind_cache
+
+    if needs_kind_cache(model):
+        from .kind_engine import KindEngine
+
+        return KindEngine
+    return Engine
+
+
 def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int], max_new_tokens: int | Sequence[int],
              batch_size: int = 32, max_batch_tokens: int = 1 << 20, prefill_tokens: int = 8192,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, pad_id: int = 0,
@@ -416,7 +431,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int],
                          prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
                          refill=refill, decoder=decoder)
     else:
-        eng = Engine(model, eos_ids=eos_ids, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
+        eng = eager_engine(model)(model, eos_ids=eos_ids, batch_size=batch_size, max_batch_tokens=max_batch_tokens,
                      prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
                      refill=refill)
     for i, p in enumerate(prompts):

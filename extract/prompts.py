@@ -104,6 +104,10 @@ class Sampler:
         if target_graph and why is not None:
             raise TargetError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
         self.graphs = why is None if target_graph is None else bool(target_graph)  # False: the eager engine
+        from dflash.core.decode_state import eager_reason
+
+        if not self.graphs and eager_reason(self.model):  # transformers' cache per layer kind (extract/kind_engine.py)
+            print(f"prompts: {eager_reason(self.model)}: the eager decoder (no CUDA graphs)", flush=True)
         self.decoder = None
 
     def rows(self, first: int, last: int, settings: dict[str, Any], on_row=None) -> list[dict[str, Any]]:
@@ -273,6 +277,10 @@ def run_prompts(cfg: PromptsConfig) -> dict[str, Any]:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise ConfigError("dflash prompts runs as one process: start it without torchrun (sampling a few "
                           "thousand turns is short next to answering them)")
+    from dflash.core.hybrid import check_layer_kinds
+    from dflash.core.target import load_config
+
+    check_layer_kinds(load_config(cfg.target), f"--target {cfg.target}")  # one error line, before OUT is touched
     from dflash.core.threads import decode_threads
 
     with output_lock(cfg.out, "prompts", True, precheck=lambda out: check_out(out, cfg.overwrite)):

@@ -41,7 +41,9 @@ import torch
 from dflash.core import progress
 from dflash.core.chat import DataError, content_of, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check
+from dflash.core.decode_state import eager_reason
 from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
+from dflash.core.hybrid import check_layer_kinds
 from dflash.core.paths import output_lock
 from dflash.core.target import TargetError, load_causal_lm, load_config, load_tokenizer, target_info, text_config
 from dflash.core.threads import decode_threads
@@ -53,6 +55,7 @@ from .generate import (  # noqa: F401  (re-exported: the generator's names stay 
     Engine,
     Request,
     Result,
+    eager_engine,
     generate,
     kv_bytes_per_token,
     plan_engine,
@@ -74,7 +77,7 @@ from .regen_out import (  # noqa: F401  (META_NAME, part_name: importable from h
     read_meta,
     write_part,
 )
-from .slab import check_attention_only, slab_cache  # noqa: F401  (slab_cache: re-exported as before)
+from .slab import check_attention_only, slab_cache  # noqa: F401  (both re-exported as before)
 
 # Batches of prompts per window of parts ordered longest first (PartOrder): simulated with the slot engine (1,024
 # slots, 16,384 prompts of log-normal lengths, median ~300 tokens), a step's attended columns over the real ones fell
@@ -230,7 +233,7 @@ def _run_regenerate(cfg: RegenerateConfig, dist) -> dict[str, Any]:
     show = cfg.progress and dist.is_main
 
     hf_cfg = load_config(cfg.target)
-    check_attention_only(hf_cfg, cfg.target)
+    check_layer_kinds(hf_cfg, f"--target {cfg.target}")  # an unsupported layer kind: one error line, before any work
     weights_job = _fingerprint_in_background(cfg.target, hf_cfg) if dist.is_main else None
     tokenizer = load_tokenizer(cfg.target)
     chat = ChatTokenizer(tokenizer, cfg.chat_template_kwargs, chat_template=cfg.chat_template)
@@ -371,7 +374,10 @@ def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, fol
     if plan is not None:
         return SlotEngine(model, slots=plan.slots, max_len=plan.max_len, overflow_tokens=plan.overflow_tokens,
                           start_len=512, **kw)
-    return Engine(model, batch_size=batch, max_batch_tokens=max_tokens, **kw)
+    eager = eager_engine(model)
+    if eager is not Engine:
+        print0(f"regenerate: {eager_reason(model)}: the eager decoder (no CUDA graphs)")
+    return eager(model, batch_size=batch, max_batch_tokens=max_tokens, **kw)
 
 
 def _regenerate_parts(cfg, todo, parts, chat, tokenizer, hf_cfg, dtype, dev, show, progress,

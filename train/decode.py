@@ -11,7 +11,9 @@ Decoding runs with dflash.core.target.decode_sdpa's kernel choice (no cuDNN atte
 length on the host).
 
 The target side (KV cache, captured layers, decode attention) is train/verify.py; the DFlash proposer is
-train/drafting.py.
+train/drafting.py. target.crop() after a partly accepted verify takes every layer back to the accepted prefix: keys
+and values, and on hybrid targets the Gated DeltaNet's recurrent and conv states, captured at each verified token
+(dflash/core/decode_state.py).
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ For every prompt, three decodes of the same target with KV caches:
   * DFlash: the target's prefill captures the K layers; each step the drafter proposes B-1 tokens
     after the last confirmed token in ONE forward, the target verifies the block in ONE forward,
     the longest matching prefix plus the target's own next token (the bonus) is accepted, both
-    caches are cropped to the accepted length;
+    caches are cropped to the accepted length (on a hybrid target the linear-attention layers' recurrent and
+    conv states too: dflash/core/decode_state.py);
   * n-gram prompt lookup (no training): the B-1 tokens that followed the latest earlier occurrence
     of the sequence's last n-gram, verified the same way - what users get for free.
 tau = mean over steps of (accepted + 1). Greedy speculative decoding is lossless, so each output
@@ -57,8 +58,10 @@ import torch
 from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check, finite
+from dflash.core.decode_state import eager_reason
 from dflash.core.threads import decode_threads
 from dflash.core.dist import compute_init, resolve_dtype
+from dflash.core.hybrid import check_layer_kinds
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text_config
 
 from .checkpoint import check_fits_target, load_drafter, read_drafter_config
@@ -280,6 +283,7 @@ def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, d
     """(tokenizer, HF model, drafter on the target's embedding and LM head, Target capturing the drafter's layers):
     what speculative decoding needs (run_eval). A drafter that is no checkpoint, or one made for another target, is a
     DrafterError naming --drafter before the target loads."""
+    check_layer_kinds(load_config(target_path), f"--target {target_path}")  # one error line naming the kind
     try:
         check_fits_target(read_drafter_config(drafter_path), drafter_path, text_config(load_config(target_path)),
                           target_path)
@@ -342,6 +346,8 @@ def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
     max_len = max(len(p) for p in prompts) + cfg.max_new_tokens + B + 1
     graph = dev.type == "cuda" if cfg.draft_graph is None else cfg.draft_graph
     target = static_target(cfg, model, drafter.cfg.target_layer_ids, max_len, B) or target
+    if not isinstance(target, StaticTarget) and target.by_kind:  # decode_state's cache, rolled back per layer kind
+        print(f"eval: {eager_reason(model)}: the eager decoder (no CUDA graphs)", flush=True)
     dflash = (DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer)(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]

@@ -14,6 +14,7 @@ import functools
 
 import torch
 
+from dflash.core.decode_state import decoding_cache, needs_kind_cache, record, rollback
 from dflash.core.target import LayerCapture, decoder_layers
 
 
@@ -83,7 +84,11 @@ class Target:
 
     attention="auto": the target decodes with _lower_right_sdpa where it runs on SDPA's flash kernel (a CUDA
     GPU in bf16/fp16) and decode_attention_ok(model) (both the target-only baseline and the verify forwards: the
-    same code path); "decode" wherever the model allows it (the CPU tests); "model" keeps the model's own."""
+    same code path); "decode" wherever the model allows it (the CPU tests); "model" keeps the model's own.
+
+    A target with linear-attention or sliding-window layers decodes on transformers' cache laid out per layer kind
+    (dflash.core.decode_state): every forward records the linear layers' state after each of its tokens, and
+    crop() rolls every layer back to the accepted prefix (the recurrent and conv states too, not only the keys)."""
 
     def __init__(self, model, layer_ids: list[int] | None, attention: str = "auto"):
         if attention not in ("auto", "decode", "model"):
@@ -105,6 +110,8 @@ class Target:
             L = len(decoder_layers(model))
             self.capture = LayerCapture(model, layer_ids, final_norm_for=L - 1 if L - 1 in layer_ids else None)
         self.cache = None
+        self.by_kind = needs_kind_cache(model)  # linear-attention / sliding-window layers: decode_state's cache
+        self.length = 0  # positions in the cache
         import inspect  # transformers >= 5.2x renamed past_key_values to cache
 
         self._cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
@@ -112,11 +119,16 @@ class Target:
     def reset(self):
         from transformers import DynamicCache
 
-        self.cache = DynamicCache()
+        self.cache = decoding_cache(self.model) if self.by_kind else DynamicCache()
+        self.length = 0
 
     def crop(self, length: int) -> None:
-        """Keep the first `length` positions of the KV cache."""
-        crop_cache(self.cache, length)
+        """Keep the first `length` positions of the cache (every layer's state rolled back to them)."""
+        if self.by_kind:
+            rollback(self.cache, self.length, length)
+        else:
+            crop_cache(self.cache, length)
+        self.length = min(self.length, length)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -128,11 +140,18 @@ class Target:
             K, H = len(self.capture.layer_ids), self.model.config.get_text_config().hidden_size
             out_h = torch.empty(1, L, K * H, device=self.device, dtype=next(self.model.parameters()).dtype)
             self.capture.out = out_h
+        if self.by_kind:
+            if start != self.length:
+                raise ValueError(f"a forward at position {start} on a cache of {self.length} positions")
+            record(self.cache, 0 if start == 0 else L)
         try:
             out = self.model(input_ids=ids, position_ids=pos, use_cache=True, **{self._cache_kw: self.cache})
         finally:
             if self.capture is not None:
                 self.capture.out = None
+        self.length = start + L
+        if self.by_kind and start == 0:
+            rollback(self.cache, L, L)  # the prefill's conv windows and sliding keys trimmed to their working size
         return out.logits, out_h
 
 

@@ -58,7 +58,9 @@ def unsupported(model) -> str | None:
         return f"decoder layers of type {sorted(kinds - set(SUPPORTED_LAYERS))[0]}"
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     if set(getattr(cfg, "layer_types", None) or ["full_attention"]) != {"full_attention"}:
-        return "sliding-window layers"
+        from dflash.core.decode_state import eager_reason
+
+        return eager_reason(model) or "sliding-window layers"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
             type(layers[0]).__name__ == "MistralDecoderLayer":
         return "a sliding window"
