@@ -67,12 +67,13 @@ class CompiledTarget:
         self.bufs: dict[tuple, torch.Tensor] = {}
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, out: torch.Tensor):
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, out: torch.Tensor,
+            doc_host: torch.Tensor | None = None):
         key = (tuple(out.shape), out.dtype)
         if key not in self.bufs:
             self.bufs[key] = torch.empty(out.shape, dtype=out.dtype, device=out.device)
         buf = self.bufs[key]
-        self.target.forward(self.model, input_ids, position_ids, doc_ids, buf)
+        self.target.forward(self.model, input_ids, position_ids, doc_ids, buf, doc_host)
         out.copy_(buf)
         out.masked_fill_((doc_ids == 0)[..., None], 0)
         return out

@@ -380,12 +380,12 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                 # on GPU a short last batch is padded with all-padding rows: every forward has one shape
                 # (no recompiles of the flex kernels); on CPU that would only cost time
                 rows = batch_rows if cuda else j - i
-                ids, pos, doc = _rows_to_device(arrays, i, j, rows, pad_id, dev)
+                ids, pos, doc, doc_host = _rows_to_device(arrays, i, j, rows, pad_id, dev)
                 b = nbatch % len(gbufs)
                 if cuda and copied[b] is not None:
                     torch.cuda.current_stream(dev).wait_event(copied[b])  # its previous copy must be done
                 out = gbufs[b][:rows]
-                target.run(ids, pos, doc, out)
+                target.run(ids, pos, doc, out, doc_host=doc_host)
                 if nbatch == 0:  # every kernel this job runs is now built (fixed shapes)
                     _release_compile_workers()
                 src = [out[: j - i]]
@@ -435,7 +435,7 @@ def _compiled_target(target, spec, plan, docs, pad_id, shard, batch_rows, dev):
     rows = min(n, batch_rows)
     arrays = materialize(plan, docs, spec.seq_len, pad_id, start, start + rows)
     rows = batch_rows if dev.type == "cuda" else rows  # the shape the job runs
-    first = _rows_to_device(arrays, 0, len(arrays["input_ids"]), rows, pad_id, dev)
+    first = _rows_to_device(arrays, 0, len(arrays["input_ids"]), rows, pad_id, dev)[:3]
     runner, report = compiled_or_eager(target, first)
     if report["compiled"]:
         worst = max(c / t for c, t in zip(report["err_compiled_vs_ref"], report["tolerance"]))
@@ -456,7 +456,8 @@ def _tokenize_cache_dir(cfg: ExtractConfig) -> str | None:
 
 
 def _rows_to_device(arrays: dict, i: int, j: int, rows: int, pad_id: int, dev: torch.device) -> tuple:
-    """(input ids, positions, doc ids) of rows i:j, padded to `rows` rows, as int64 tensors on dev.
+    """(input ids, positions, doc ids) of rows i:j, padded to `rows` rows, as int64 tensors on dev, and the doc ids'
+    host copy (a linear-attention target lays out its conversations from it: dflash/core/hybrid.py DocLayout).
 
     On a GPU the copy goes through pinned memory and does not block: a blocking host-to-device copy synchronises
     the stream (torch waits for the copy, which waits for every kernel queued before it), so the host would sit
@@ -468,7 +469,7 @@ def _rows_to_device(arrays: dict, i: int, j: int, rows: int, pad_id: int, dev: t
     t = torch.from_numpy(host)
     if dev.type == "cuda":
         t = t.pin_memory().to(dev, non_blocking=True)
-    return tuple(t.unbind(0))
+    return (*t.unbind(0), torch.from_numpy(host[2]))
 
 
 def _pad_rows(a: np.ndarray, rows: int, value: int) -> np.ndarray:

@@ -56,10 +56,11 @@ class PackedTarget:
         return attention_masks(self.cfg, doc_ids, self.impl, dtype)
 
     @torch.inference_mode()
-    def forward(self, model, input_ids, position_ids, doc_ids, buf: torch.Tensor) -> None:
-        """`model` (this target's model, or a compiled form of it) over the rows, the K layers into buf."""
+    def forward(self, model, input_ids, position_ids, doc_ids, buf: torch.Tensor, doc_host=None) -> None:
+        """`model` (this target's model, or a compiled form of it) over the rows, the K layers into buf. doc_host:
+        doc_ids' host copy, where the caller has one (a linear-attention target's layout then needs no sync)."""
         mask = self.masks(doc_ids)
-        self.docs = DocLayout.of(doc_ids) if self.linear_layers else None
+        self.docs = DocLayout.of(doc_ids, host=doc_host) if self.linear_layers else None
         self.capture.out = buf
         try:
             model(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, use_cache=False)
@@ -68,8 +69,9 @@ class PackedTarget:
             self.docs = None
 
     @torch.inference_mode()
-    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, out: torch.Tensor):
+    def run(self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, out: torch.Tensor,
+            doc_host: torch.Tensor | None = None):
         """One packed forward of [R, T] rows; padding positions of `out` are set to exact zeros."""
-        self.forward(self.model, input_ids, position_ids, doc_ids, out)
+        self.forward(self.model, input_ids, position_ids, doc_ids, out, doc_host)
         out.masked_fill_((doc_ids == 0)[..., None], 0)  # true zeros, not -0.0: padding costs nothing compressed
         return out

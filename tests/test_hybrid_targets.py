@@ -144,7 +144,11 @@ def test_layout_segments_and_cu_seqlens():
     lay = DocLayout.of(doc)
     assert lay.segments == [(0, 0, 2), (0, 2, 3), (0, 3, 4), (1, 0, 4)]
     assert lay.real == [True, True, False, True]
-    assert lay.cu_seqlens.tolist() == [0, 2, 3, 4, 8]
+    assert lay.cu_seqlens.tolist() == [0, 2, 3, 4, 8] == lay.cu_seqlens_cpu.tolist()
+    long = torch.tensor([[1] * 130 + [2] * 3])
+    lay = DocLayout.of(long, host=long.clone())  # a host copy: no device-to-host copy needed
+    assert lay.chunk_indices.tolist() == [[0, 0], [0, 1], [0, 2], [1, 0]]  # flash-linear-attention's chunks of 64
+    assert lay.segments == [(0, 0, 130), (0, 130, 133)] and lay.real == [True, True]
 
 
 def test_layer_kinds_of_each_family(family_targets):

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.core.hybrid import check_layer_kinds, layer_kinds
+from dflash.core.hybrid import HybridError, check_layer_kinds, layer_kinds
 
 
 def needs_kind_cache(model) -> bool:
@@ -57,6 +57,11 @@ def decoding_cache(model, where: str = "--target"):
     from transformers import DynamicCache
 
     check_layer_kinds(model.config, where)
+    if not hasattr(DynamicCache, "activate_past_recording"):
+        import transformers
+
+        raise HybridError(f"{where}: decoding a target with {eager_reason(model)} needs transformers >= 5.25 (its "
+                          f"cache records the linear layers' states for the rollback); this is {transformers.__version__}")
     return DynamicCache(config=model.config)
 
 

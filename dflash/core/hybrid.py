@@ -97,34 +97,53 @@ class DocLayout:
 
     same_prev[j - 1][r, t]: token t - j of row r is in t's conversation (j = 1 .. taps - 1), for the convolution.
     segments: (row, start, stop) per maximal run of one doc id, in row-major order; cu_seqlens [S + 1] (int64, on
-    the device) over the R*T tokens flattened, for a varlen kernel; real[s]: segment s is a conversation."""
+    the device; cu_seqlens_cpu its host copy) over the R*T tokens flattened, for a varlen kernel; chunk_indices
+    [chunks, 2] (segment, chunk within it) of CHUNK tokens, what flash-linear-attention derives from cu_seqlens
+    (given, it needs no host sync); real[s]: segment s is a conversation.
+
+    `host` is doc_ids' host copy where the caller has one (extraction builds the rows on the host): with it the
+    layout never waits for the GPU (a device-to-host copy of doc_ids would make the host idle until the previous
+    forward ended, extract/run.py _rows_to_device); the device tensors go up through pinned memory, non-blocking."""
 
     doc_ids: torch.Tensor
     same_prev: list[torch.Tensor]
     segments: list[tuple[int, int, int]]
     real: list[bool]
     cu_seqlens: torch.Tensor
+    cu_seqlens_cpu: torch.Tensor
+    chunk_indices: torch.Tensor
+
+    CHUNK = 64  # flash-linear-attention's chunk of the gated delta rule
 
     @classmethod
-    def of(cls, doc_ids: torch.Tensor, taps: int = 4) -> "DocLayout":
+    def of(cls, doc_ids: torch.Tensor, taps: int = 4, host: torch.Tensor | None = None) -> "DocLayout":
         R, T = doc_ids.shape
         same = []
         for j in range(1, taps):
             m = torch.zeros_like(doc_ids, dtype=torch.bool)
             m[:, j:] = doc_ids[:, j:] == doc_ids[:, :-j]
             same.append(m)
-        host = doc_ids.detach().to("cpu")
+        host = torch.as_tensor(host) if host is not None else doc_ids.detach().to("cpu")
         change = torch.ones(R, T, dtype=torch.bool)
         change[:, 1:] = host[:, 1:] != host[:, :-1]
-        starts = change.reshape(-1).nonzero().flatten().tolist()
-        bounds = [*starts, R * T]
-        segments, real = [], []
-        for a, b in zip(bounds[:-1], bounds[1:]):
-            r = a // T
-            segments.append((r, a - r * T, b - r * T))
-            real.append(bool(host[r, a - r * T] != 0))
-        cu = torch.tensor(bounds, dtype=torch.int64, device=doc_ids.device)
-        return cls(doc_ids, same, segments, real, cu)
+        starts = change.reshape(-1).nonzero().flatten()
+        bounds = torch.cat([starts, torch.tensor([R * T])]).to(torch.int64)
+        rows = (starts // T).tolist()
+        segments = [(r, a - r * T, b - r * T) for r, a, b in zip(rows, starts.tolist(), bounds[1:].tolist())]
+        real = (host.reshape(-1)[starts] != 0).tolist()
+        lens = bounds[1:] - bounds[:-1]
+        counts = (lens + cls.CHUNK - 1) // cls.CHUNK
+        seg = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        within = torch.arange(len(seg)) - torch.repeat_interleave(counts.cumsum(0) - counts, counts)
+        chunks = torch.stack([seg, within], 1).to(torch.int64)
+        return cls(doc_ids, same, segments, real, _up(bounds, doc_ids.device), bounds, _up(chunks, doc_ids.device))
+
+
+def _up(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`, through pinned memory without blocking on a GPU."""
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def doc_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, docs: DocLayout) -> torch.Tensor:
@@ -149,6 +168,20 @@ def _fla_chunk_rule():
     return chunk_gated_delta_rule
 
 
+def _fla_host_indices(fla, docs: DocLayout) -> dict:
+    """The layout's host-built indices, for a flash-linear-attention version that takes them (0.6 does): without
+    them it derives them from cu_seqlens with a device-to-host copy in every layer."""
+    import inspect
+
+    params = inspect.signature(fla).parameters
+    out = {}
+    if "cu_seqlens_cpu" in params:
+        out["cu_seqlens_cpu"] = docs.cu_seqlens_cpu
+    if "chunk_indices" in params:
+        out["chunk_indices"] = docs.chunk_indices
+    return out
+
+
 @torch.compiler.disable
 def varlen_delta_rule(module, q, k, v, g, beta, docs: DocLayout) -> torch.Tensor:
     """The gated delta rule per conversation: [R, T, heads, d] in, [R, T, value heads, dv] out (padding: zeros)."""
@@ -156,7 +189,8 @@ def varlen_delta_rule(module, q, k, v, g, beta, docs: DocLayout) -> torch.Tensor
     fla = _fla_chunk_rule() if q.is_cuda else None
     if fla is not None:
         flat = [t.reshape(1, R * T, *t.shape[2:]) for t in (q, k, v, g, beta)]
-        out, _ = fla(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=docs.cu_seqlens, use_qk_l2norm_in_kernel=True)
+        out, _ = fla(*flat[:3], g=flat[3], beta=flat[4], cu_seqlens=docs.cu_seqlens, use_qk_l2norm_in_kernel=True,
+                     **_fla_host_indices(fla, docs))
         return out.reshape(R, T, *out.shape[2:])
     rule = getattr(sys.modules[type(module).__module__], "torch_chunk_gated_delta_rule")
     out = torch.zeros(*v.shape, dtype=q.dtype, device=q.device)
