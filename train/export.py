@@ -38,7 +38,7 @@ from typing import Any
 from dflash.core.io import atomic_json, atomic_write
 from dflash.core.paths import inside, real
 from dflash.train.checkpoint import CONFIG_NAME, DFLASH2_FIELDS, WEIGHTS_NAME, read_drafter_config, servable_config
-from dflash.train.contract import Trained, run_drafter
+from dflash.train.contract import Trained, run_drafter, shape_misreads, weight_shapes
 from dflash.train.engines import SLIDING
 from dflash.train.export_dir import ExportError, export_dir, own_entry
 from dflash.train.model import DrafterConfig
@@ -173,6 +173,10 @@ def export(final: str, fmt: str, out: str, target: str | None = None, chat_templ
     if not os.path.exists(weights):
         raise ExportError(f"{final} is not a complete drafter checkpoint: {WEIGHTS_NAME} is missing")
     check_apart(final, out)
+    with open(os.path.join(final, CONFIG_NAME)) as f:
+        wrong = shape_misreads(final, json.load(f), "zlab", weight_shapes(final))
+    if wrong:
+        raise ExportError(f"{final}: {wrong[0]}: the weights do not fit their config; nothing was written")
     record = run_record(final)
     target = target or record.get("target")
     kwargs = chat_template_kwargs if chat_template_kwargs is not None else record.get("chat_template_kwargs")
