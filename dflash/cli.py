@@ -17,6 +17,7 @@ import click
 # inside the commands that run them.
 import dflash_cache
 from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors: importable from here)
+    BOUNDED_INT,
     CleanErrors,
     argv_without_gpus,
     check_paths,
@@ -109,7 +110,7 @@ def cache_info(path, as_json):
 
 @cache.command("verify")
 @click.argument("path")
-@click.option("--threads", default=4, show_default=True, type=click.IntRange(min=1), help="Decoding threads.")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(min=1, max=1024), help="Decoding threads.")
 @click.option("--repair", is_flag=True, help="Rewrite damaged metadata from its record, and un-commit every bad shard "
               "so that rerunning the same `dflash extract` redoes them.")
 def cache_verify(path, threads, repair):
@@ -653,10 +654,10 @@ def check(drafter):
 @click.option("--config", help="The GPU recipe's preset (path or name in configs/).  [default: demo-gpu]")
 @click.option("--responses", type=click.Choice(["regenerate", "original"]), default="regenerate", show_default=True,
               help="Train on the target's own regenerated replies (the DFlash recipe) or the dataset's human replies.")
-@click.option("--train-prompts", type=int, help=f"Training conversations (CPU recipe).  [default: {CPU_SIZES['train_prompts']}]")
-@click.option("--eval-prompts", type=int, help=f"Held-out prompts for eval.  [default: CPU {CPU_SIZES['eval_prompts']}, GPU: preset]")
-@click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
-@click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
+@click.option("--train-prompts", type=BOUNDED_INT, help=f"Training conversations (CPU recipe).  [default: {CPU_SIZES['train_prompts']}]")
+@click.option("--eval-prompts", type=BOUNDED_INT, help=f"Held-out prompts for eval.  [default: CPU {CPU_SIZES['eval_prompts']}, GPU: preset]")
+@click.option("--train-steps", type=BOUNDED_INT, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
+@click.option("--drafter-layers", type=BOUNDED_INT, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
 @click.option("--compare", type=click.Choice(["dflash2"]),
               help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden) for "
                    "the same training time (DFlash trains the preset's steps; DFlash2 trains with --time-budget = "

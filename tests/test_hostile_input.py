@@ -6,7 +6,8 @@ tests/test_trust.py's `cli`). The cases are tables, so that a new flag or file k
 
     1. numbers      every integer and float option of extract, train, eval, regenerate, prompts, cache verify and demo (found
                     by walking the click commands; NUMBERS must know each one's valid range): just below its range,
-                    negative, nan/inf, a fraction for an integer, a word
+                    negative, nan/inf, a fraction for an integer, an integer beyond int64 (and the sane bounds of the
+                    flags that size memory or threads: --block-size, --log-every, --drafter-layers, --threads), a word
     2. words        every choice option given an unknown value; --layers, --device, --gpus, --split,
                     --chat-template-kwargs (`x=[`, `=3`, no `=`), unknown options
     3. paths        each path flag given a missing path, a dangling symlink, a file where a directory belongs and a
@@ -126,30 +127,32 @@ def command(name: str, w: dict, tmp: Path, **flags) -> list:
 # flag -> (lowest valid value, highest valid value or None, whether the bounds themselves are valid). Floats must
 # also be finite. Every integer/float option of the probed commands must be here (test_every_numeric_flag_is_probed).
 INF = None
+MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))  # dflash/core/threads.py max_threads: 100000 crashed the process
+HUGE = "99999999999999999999"  # beyond int64: was an OverflowError, a TypeError or a ValueError in torch
 NUMBERS: dict[str, dict[str, tuple]] = {
     "extract": {"--max-samples": (1, INF), "--seq-len": (16, INF), "--num-context-layers": (1, INF),
                 "--rows-per-shard": (0, INF), "--batch-rows": (0, INF), "--writer-threads": (1, INF),
                 "--tokenize-workers": (0, INF)},
-    "train": {"--max-steps": (1, INF), "--epochs": (0.0, INF, "open"), "--drafter-layers": (1, INF),
-              "--draft-window": (1, INF), "--block-size": (2, INF), "--num-anchors": (1, INF),
+    "train": {"--max-steps": (1, INF), "--epochs": (0.0, INF, "open"), "--drafter-layers": (1, 256),
+              "--draft-window": (1, 2**31 - 1), "--block-size": (2, 4096), "--num-anchors": (1, INF),
               "--gamma": (0.0, INF, "open"), "--batch-rows": (1, INF), "--grad-accum": (1, INF), "--lr": (0.0, INF, "open"),
               "--warmup-ratio": (0.0, 1.0, "right-open"), "--min-lr-ratio": (0.0, 1.0), "--weight-decay": (0.0, INF),
               "--grad-clip": (0.0, INF, "open"), "--mask-token-id": (0, INF), "--seed": (0, 2**28 - 1),
               "--shuffle-window": (0, INF), "--follow-timeout": (0.0, INF, "open"), "--val-rows": (0, INF),
-              "--val-max-new-tokens": (0, INF), "--log-every": (1, INF), "--save-every": (1, INF),
+              "--val-max-new-tokens": (0, INF), "--log-every": (1, 1_000_000), "--save-every": (1, INF),
               "--keep-checkpoints": (1, INF), "--loader-threads": (1, INF), "--conv-kernel-size": (1, INF),
               "--conv-group-size": (1, INF), "--selector-rank": (1, INF), "--selector-top-k": (1, INF),
               "--selector-loss-alpha": (0.0, INF), "--time-budget-probe": (1, INF)},
     "eval": {"--max-prompts": (1, INF), "--skip-prompts": (0, INF), "--max-new-tokens": (1, INF),
-             "--ngram-max": (1, INF), "--threads": (0, INF)},
+             "--ngram-max": (1, INF), "--threads": (0, MAX_THREADS)},
     "regenerate": {"--max-samples": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF),
                    "--top-p": (0.0, 1.0, "left-open"), "--seed": (0, INF), "--part-size": (1, INF),
                    "--batch-size": (0, INF), "--max-batch-tokens": (0, INF), "--prefill-tokens": (0, INF),
-                   "--threads": (0, INF)},
+                   "--threads": (0, MAX_THREADS)},
     "prompts": {"--num": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF, "open"),
                 "--top-p": (0.0, 1.0, "left-open"), "--seed": (0, INF), "--part-size": (1, INF), "--batch-size": (0, INF),
-                "--threads": (0, INF)},
-    "cache verify": {"--threads": (1, INF)},
+                "--threads": (0, MAX_THREADS)},
+    "cache verify": {"--threads": (1, 1024)},
     "demo": {"--train-prompts": (8, INF), "--eval-prompts": (1, INF), "--train-steps": (1, INF),
              "--drafter-layers": (1, INF)},
 }
@@ -176,7 +179,7 @@ def bad_numbers(kind: str, rng: tuple) -> list[str]:
     how = how[0] if how else "closed"
     bad = {"abc", "-1", "nan"}
     if kind == "integer":
-        bad |= {str(lo - 1), "1.5"}
+        bad |= {str(lo - 1), "1.5", HUGE, "-" + HUGE}
         if hi is not None:
             bad.add(str(hi + 1))
     else:
@@ -266,6 +269,9 @@ WORDS = [
     ("train", "time-budget", "-5m", "--time-budget"),
     ("train", "time-budget", "inf", "--time-budget"),
     ("train", "time-budget", "2d", "--time-budget"),
+    ("train", "time-budget", "1e30", "--time-budget is at most 30 days"),  # was trained at a learning rate of ~1e-29
+    ("train", "time-budget", "721h", "--time-budget is at most 30 days"),
+    ("train", "block-size", "300", "--block-size 300 is longer than the rows of --cache"),  # rows of SEQ = 128 tokens
 ]
 
 
