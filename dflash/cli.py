@@ -308,7 +308,7 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--wandb-project", help="Log to this wandb project (rank 0).", default_text="off")
 @option("--wandb-run-name", help="wandb run name.")
 @option("--wandb-mode", type=click.Choice(["online", "offline", "disabled"]), help="wandb mode (offline needs no account).")
-@option("--overwrite", is_flag=True, default=None, help="Start over in an --out that holds another run.")
+@option("--overwrite", is_flag=True, default=None, help="Start over in --out: remove what an earlier run wrote there (without it, the same run resumes).")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
 @option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 5,6,7).")
 @option("--no-progress", is_flag=True, help="No progress bar.")
