@@ -9,7 +9,7 @@ Coverage:
   vLLM's capture-before ids written as dflash ids, a missing mask token (TensorRT-LLM's vocab_size), a sliding window
   not recorded for the engines (TensorRT-LLM's use_swa, vLLM's causality), a weight missing;
 - `dflash export`: both layouts check clean, a sliding-window drafter's zlab export is read as trained by vLLM and
-  TensorRT-LLM (SGLang still named: it makes sliding layers causal), files world-readable under the umask (not
+  TensorRT-LLM (SGLang still named: it makes sliding layers causal), files of the mode the umask gives (not
   safetensors' 0600), the README names each engine's flags, the trained record holds the chat template kwargs;
 - bad input to both commands (missing, file, garbled or non-drafter directories, bad flags) is one `error:` line.
 """

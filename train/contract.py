@@ -17,8 +17,9 @@ else the checkpoint's own config), replays each engine's reading (train/engines.
 A difference is a misread: the engine would serve another model than the one measured, silently. A z-lab layout
 directory is read by SGLang, vLLM, TensorRT-LLM and speculators (through its DFlashConverter); a speculators-format
 directory by speculators (DFlashDraftModel, or DFlash2DraftModel for speculators_model_type "dflash2"). A field of
-the wrong kind (train/drafter_fields.py) is a DrafterError naming it, never read as another value. The CLI (`dflash check`, `dflash export --check`) prints the table and exits 2 with one
-`error:` line naming each engine and field that would misread; `dflash train` prints `verdict_line` for final/.
+the wrong kind (train/drafter_fields.py) is a DrafterError naming it, never read as another value. The CLI (`dflash
+check`, `dflash export --check`) prints the table and exits 2 with one `error:` line naming each engine and field
+that would misread (`dflash export` alone: one `warning:` line); `dflash train` prints `verdict_line` for final/.
 """
 
 from __future__ import annotations
@@ -207,9 +208,12 @@ def compare(trained: Trained, r: Reading) -> list[str]:
     """The fields on which the engine's reading differs from what was trained: '<engine>: <field>: <what>'."""
     out = []
     if r.arch != trained.arch:
+        why = ""
+        if trained.arch == "dflash2":
+            why = ("; it serves DFlash only" if r.engine != "speculators" else
+                   "; its DFlashConverter writes DFlash only (`dflash export --format speculators` writes DFlash2)")
         out.append(f"{r.engine}: architecture: would build {_arch_name(r.arch)} (trained {_arch_name(trained.arch)})"
-                   + (("; it serves DFlash only" if r.engine != "speculators" else "; its DFlashConverter writes DFlash "
-                       "only (`dflash export --format speculators` writes DFlash2)") if trained.arch == "dflash2" else ""))
+                   + why)
     elif r.arch == "dflash2" and r.dflash2 != trained.dflash2:
         diff = [f"{k} {r.dflash2.get(k)} (trained {trained.dflash2.get(k)})" for k in DFLASH2_SIZES
                 if (r.dflash2 or {}).get(k) != (trained.dflash2 or {}).get(k)]
