@@ -17,6 +17,7 @@ import click
 # inside the commands that run them.
 import dflash_cache
 from dflash.cli_options import (  # noqa: F401  (argv_without_gpus, known_errors: importable from here)
+    BOUNDED_INT,
     CleanErrors,
     argv_without_gpus,
     check_paths,
@@ -109,7 +110,7 @@ def cache_info(path, as_json):
 
 @cache.command("verify")
 @click.argument("path")
-@click.option("--threads", default=4, show_default=True, type=click.IntRange(min=1), help="Decoding threads.")
+@click.option("--threads", default=4, show_default=True, type=click.IntRange(min=1, max=1024), help="Decoding threads.")
 @click.option("--repair", is_flag=True, help="Rewrite damaged metadata from its record, and un-commit every bad shard "
               "so that rerunning the same `dflash extract` redoes them.")
 def cache_verify(path, threads, repair):
@@ -307,7 +308,7 @@ def extract(preset, gpus, json_out, no_progress, **flags):
 @option("--wandb-project", help="Log to this wandb project (rank 0).", default_text="off")
 @option("--wandb-run-name", help="wandb run name.")
 @option("--wandb-mode", type=click.Choice(["online", "offline", "disabled"]), help="wandb mode (offline needs no account).")
-@option("--overwrite", is_flag=True, default=None, help="Start over in an --out that holds another run.")
+@option("--overwrite", is_flag=True, default=None, help="Start over in --out: remove what an earlier run wrote there (without it, the same run resumes).")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
 @option("--gpus", help="Launch torchrun on these GPU ids, one process each (e.g. 5,6,7).")
 @option("--no-progress", is_flag=True, help="No progress bar.")
@@ -566,23 +567,29 @@ def prompts(preset, json_out, no_progress, **flags):
         atomic_json(json_out, record)
 
 
-def _check_drafter(path: str) -> None:
+def _check_drafter(path: str, after_export: bool = False) -> None:
     """The serving contract check of the drafter at `path`: its table, then one verdict line (exit 2 on a misread)."""
     from dflash.train.contract import ContractError, check_drafter, format_table, summary
 
     v = check_drafter(path)
     click.echo(format_table(v))
     if not v.ok:
-        raise ContractError(summary(v))
+        raise ContractError(summary(v) + (" (the export is written; serve it only where it is read as trained)"
+                                          if after_export else ""))
     click.echo(f"check: {summary(v)}")
+
+
+def _drafter_arg(path: str) -> str:
+    """DRAFTER of export and check in its path form (a file:// URL is its local path; other URLs are refused)."""
+    return path_form(path, "DRAFTER")
 
 
 @main.command()
 @click.argument("drafter")
 @click.option("--format", "fmt", type=click.Choice(["zlab", "speculators"]), default="zlab", show_default=True,
-              help="zlab: the layout DFlash drafters are published in (SGLang, vLLM, TensorRT-LLM); speculators: "
-                   "speculators' own DFlash format (vLLM serves it too).")
-@click.option("--out", help="The export's directory (new, or an earlier export).")
+              help="zlab: the layout DFlash drafters are published in (SGLang, vLLM, TensorRT-LLM serve DFlash from "
+                   "it); speculators: speculators' own format (DFlash, or DFlash2 for a DFlash2 drafter).")
+@click.option("--out", help="The export's directory (new, empty, or an earlier export); a local path or file:// URL.")
 @click.option("--target", help="The target it was trained for (recorded by the run; speculators needs it).")
 @click.option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE",
               help="The chat template kwargs the training data was rendered with (recorded in the export and its "
@@ -592,29 +599,40 @@ def _check_drafter(path: str) -> None:
 def export(drafter, fmt, out, target, chat_template_kwargs, check_only):
     """Write DRAFTER (RUN/final) as a checkpoint each serving engine reads with the trained semantics.
 
-    Layer ids, block size, mask token and per-layer attention are written where each engine looks for them,
-    weights world-readable, with a README.md naming the engine flags that serve it. --check replays how SGLang,
-    vLLM, TensorRT-LLM and speculators would read it (`dflash check`).
+    Layer ids, block size, mask token and per-layer attention are written where each engine looks for them, with
+    a README.md naming, per engine, whether and how it serves the drafter (SGLang, vLLM and TensorRT-LLM serve
+    DFlash only; a DFlash2 drafter is written as DFlash2). The files get the mode the umask gives new files (0644
+    under umask 022, readable by a server of another user; 0600 under 077). The export is checked as it is written:
+    a misread is a warning line (with --check: the table, and exit 2). --check alone replays how SGLang, vLLM,
+    TensorRT-LLM and speculators would read DRAFTER (`dflash check`).
     """
+    drafter, out, target = _drafter_arg(drafter), path_form(out, "out"), path_form(target, "target")
     check_paths(read={"drafter": drafter})
     if out is None and not check_only:
         raise click.UsageError("--out is required (or --check alone to check DRAFTER)")
     if out is not None:
+        from dflash.train.contract import check_drafter, summary
         from dflash.train.export import export as write_export
 
         kwargs = parse_kv(chat_template_kwargs, "chat_template_kwargs") or None
         check_paths(out=out)
         write_export(drafter, fmt, out, target=target, chat_template_kwargs=kwargs)
-        click.echo(f"export: {fmt} layout -> {out} (README.md names the engine flags)")
+        click.echo(f"export: {fmt} layout -> {out} (README.md names the engines that serve it)")
+        if not check_only:
+            v = check_drafter(out)
+            if not v.ok:
+                click.echo(f"warning: {summary(v)} (`dflash check {out}` shows each engine's reading)", err=True)
     if check_only:
-        _check_drafter(out or drafter)
+        _check_drafter(out or drafter, after_export=out is not None)
 
 
 @main.command()
 @click.argument("drafter")
 def check(drafter):
-    """How SGLang, vLLM, TensorRT-LLM and speculators would read DRAFTER: target layers, block, mask token,
-    attention per layer, weights. Exit 2 with one line naming each engine and field that would misread."""
+    """How SGLang, vLLM, TensorRT-LLM and speculators would read DRAFTER: architecture, target layers, block, mask
+    token, attention per layer, weights. A RUN/final is checked against what RUN/run.json records the run trained.
+    Exit 2 with one line naming each engine and field that would misread."""
+    drafter = _drafter_arg(drafter)
     check_paths(read={"drafter": drafter})
     _check_drafter(drafter)
 
@@ -636,10 +654,10 @@ def check(drafter):
 @click.option("--config", help="The GPU recipe's preset (path or name in configs/).  [default: demo-gpu]")
 @click.option("--responses", type=click.Choice(["regenerate", "original"]), default="regenerate", show_default=True,
               help="Train on the target's own regenerated replies (the DFlash recipe) or the dataset's human replies.")
-@click.option("--train-prompts", type=int, help=f"Training conversations (CPU recipe).  [default: {CPU_SIZES['train_prompts']}]")
-@click.option("--eval-prompts", type=int, help=f"Held-out prompts for eval.  [default: CPU {CPU_SIZES['eval_prompts']}, GPU: preset]")
-@click.option("--train-steps", type=int, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
-@click.option("--drafter-layers", type=int, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
+@click.option("--train-prompts", type=BOUNDED_INT, help=f"Training conversations (CPU recipe).  [default: {CPU_SIZES['train_prompts']}]")
+@click.option("--eval-prompts", type=BOUNDED_INT, help=f"Held-out prompts for eval.  [default: CPU {CPU_SIZES['eval_prompts']}, GPU: preset]")
+@click.option("--train-steps", type=BOUNDED_INT, help=f"Drafter training steps.  [default: CPU {CPU_SIZES['train_steps']}, GPU: preset]")
+@click.option("--drafter-layers", type=BOUNDED_INT, help=f"Drafter layers.  [default: CPU {CPU_SIZES['drafter_layers']}, GPU: preset]")
 @click.option("--compare", type=click.Choice(["dflash2"]),
               help="GPU recipe: also train a DFlash2 drafter from the same cache (extracted with --last-hidden) for "
                    "the same training time (DFlash trains the preset's steps; DFlash2 trains with --time-budget = "

@@ -175,6 +175,23 @@ def format_default(value) -> str | None:
     return str(value)
 
 
+MAX_INT = 2**63 - 1  # what torch and numpy hold: a larger integer flag is a typo, refused before it reaches them
+
+
+class BoundedInt(click.types.IntParamType):
+    """click's INT, refusing integers beyond +-MAX_INT (99999999999999999999 was an OverflowError or TypeError deep
+    in torch). Each setting's own sane bound is its config dataclass's check (e.g. train/config.py)."""
+
+    def convert(self, value, param, ctx):
+        n = super().convert(value, param, ctx)
+        if abs(n) > MAX_INT:
+            self.fail(f"{value} is too large (at most {MAX_INT})", param, ctx)
+        return n
+
+
+BOUNDED_INT = BoundedInt()
+
+
 class ConfigOption(click.Option):
     """A command option whose `[default: ...]` is its config field's dataclass default (the field of the same
     name in COMMAND_CONFIGS[command], config_fields); `default_text` replaces it where the default is a rule ('auto',
@@ -182,6 +199,8 @@ class ConfigOption(click.Option):
     the config requires shows `required` (given here or by the command's --config preset)."""
 
     def __init__(self, *args, default_text: str | None = None, **kwargs):
+        if kwargs.get("type") is int:
+            kwargs["type"] = BOUNDED_INT
         super().__init__(*args, **kwargs)
         self.default_text = default_text
 

@@ -189,7 +189,9 @@ class PromptsConfig:
     def __post_init__(self):
         check(bool(self.target), "target", "is required (a local HF model directory or .gguf file)")
         check(bool(self.out), "out", "is required (a directory for the prompts)")
-        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
+        from dflash.core.threads import check_threads  # (torch: this module loads it only when it runs)
+
+        check_threads(self.threads)
         check(self.num >= 1, "num", f"must be >= 1, got {self.num}")
         check(self.max_new_tokens >= 1, "max_new_tokens", f"must be >= 1, got {self.max_new_tokens}")
         check(math.isfinite(self.temperature) and self.temperature > 0, "temperature",

@@ -46,7 +46,7 @@ from dflash.core.dist import barrier, compute_init, print0, resolve_dtype
 from dflash.core.hybrid import check_layer_kinds
 from dflash.core.paths import output_lock
 from dflash.core.target import TargetError, load_causal_lm, load_config, load_tokenizer, target_info, text_config
-from dflash.core.threads import decode_threads
+from dflash.core.threads import check_threads, decode_threads
 from dflash.core.weights import fingerprint
 
 from .data import ChatTokenizer, tokenizer_fingerprint
@@ -162,7 +162,7 @@ class RegenerateConfig:
         check(self.batch_size >= 0, "batch_size", f"must be >= 1 (or 0 for the default), got {self.batch_size}")
         check(self.max_batch_tokens >= 0, "max_batch_tokens", f"must be >= 0, got {self.max_batch_tokens}")
         check(self.prefill_tokens >= 0, "prefill_tokens", f"must be >= 0, got {self.prefill_tokens}")
-        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
+        check_threads(self.threads)
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", f"must be auto, bfloat16 or float32, got {self.dtype!r}")
         check(self.turns in ("all", "last"), "turns", f"must be all or last, got {self.turns!r}")
 

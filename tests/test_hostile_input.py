@@ -6,7 +6,8 @@ tests/test_trust.py's `cli`). The cases are tables, so that a new flag or file k
 
     1. numbers      every integer and float option of extract, train, eval, regenerate, prompts, cache verify and demo (found
                     by walking the click commands; NUMBERS must know each one's valid range): just below its range,
-                    negative, nan/inf, a fraction for an integer, a word
+                    negative, nan/inf, a fraction for an integer, an integer beyond int64 (and the sane bounds of the
+                    flags that size memory or threads: --block-size, --log-every, --drafter-layers, --threads), a word
     2. words        every choice option given an unknown value; --layers, --device, --gpus, --split,
                     --chat-template-kwargs (`x=[`, `=3`, no `=`), unknown options
     3. paths        each path flag given a missing path, a dangling symlink, a file where a directory belongs and a
@@ -26,6 +27,11 @@ tests/test_trust.py's `cli`). The cases are tables, so that a new flag or file k
                     list, or gone, a file named checkpoints (named), a garbled summary.json (rewritten)
     7. disk full    regenerate on a full disk (a real full tmpfs where this process may mount one, else a file-size
                     limit in a subprocess): one line naming the file; a rerun with space resumes
+    8. export and   a drafter config with a field of the wrong kind (block_size [4], "4" or 4.0, target_layer_ids
+       check        "1,3,5", layer_types one entry short) or weights of another shape than it builds: one line naming
+                    the field or tensor from both commands, never read as trained; a RUN/final whose config.json was
+                    edited after training (ids shifted, block_size or the mask token removed) is checked against
+                    what RUN/run.json records; the drafter commands' bad paths (tests/test_export.py: the writes)
 
 Most cases fail before any model loads; the rest load the tiny target of tests/tiny.py (4 layers).
 """
@@ -121,30 +127,32 @@ def command(name: str, w: dict, tmp: Path, **flags) -> list:
 # flag -> (lowest valid value, highest valid value or None, whether the bounds themselves are valid). Floats must
 # also be finite. Every integer/float option of the probed commands must be here (test_every_numeric_flag_is_probed).
 INF = None
+MAX_THREADS = max(64, 4 * (os.cpu_count() or 1))  # dflash/core/threads.py max_threads: 100000 crashed the process
+HUGE = "99999999999999999999"  # beyond int64: was an OverflowError, a TypeError or a ValueError in torch
 NUMBERS: dict[str, dict[str, tuple]] = {
     "extract": {"--max-samples": (1, INF), "--seq-len": (16, INF), "--num-context-layers": (1, INF),
                 "--rows-per-shard": (0, INF), "--batch-rows": (0, INF), "--writer-threads": (1, INF),
                 "--tokenize-workers": (0, INF)},
-    "train": {"--max-steps": (1, INF), "--epochs": (0.0, INF, "open"), "--drafter-layers": (1, INF),
-              "--draft-window": (1, INF), "--block-size": (2, INF), "--num-anchors": (1, INF),
+    "train": {"--max-steps": (1, INF), "--epochs": (0.0, INF, "open"), "--drafter-layers": (1, 256),
+              "--draft-window": (1, 2**31 - 1), "--block-size": (2, 4096), "--num-anchors": (1, INF),
               "--gamma": (0.0, INF, "open"), "--batch-rows": (1, INF), "--grad-accum": (1, INF), "--lr": (0.0, INF, "open"),
               "--warmup-ratio": (0.0, 1.0, "right-open"), "--min-lr-ratio": (0.0, 1.0), "--weight-decay": (0.0, INF),
               "--grad-clip": (0.0, INF, "open"), "--mask-token-id": (0, INF), "--seed": (0, 2**28 - 1),
               "--shuffle-window": (0, INF), "--follow-timeout": (0.0, INF, "open"), "--val-rows": (0, INF),
-              "--val-max-new-tokens": (0, INF), "--log-every": (1, INF), "--save-every": (1, INF),
+              "--val-max-new-tokens": (0, INF), "--log-every": (1, 1_000_000), "--save-every": (1, INF),
               "--keep-checkpoints": (1, INF), "--loader-threads": (1, INF), "--conv-kernel-size": (1, INF),
               "--conv-group-size": (1, INF), "--selector-rank": (1, INF), "--selector-top-k": (1, INF),
               "--selector-loss-alpha": (0.0, INF), "--time-budget-probe": (1, INF)},
     "eval": {"--max-prompts": (1, INF), "--skip-prompts": (0, INF), "--max-new-tokens": (1, INF),
-             "--ngram-max": (1, INF), "--threads": (0, INF)},
+             "--ngram-max": (1, INF), "--threads": (0, MAX_THREADS)},
     "regenerate": {"--max-samples": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF),
                    "--top-p": (0.0, 1.0, "left-open"), "--seed": (0, INF), "--part-size": (1, INF),
                    "--batch-size": (0, INF), "--max-batch-tokens": (0, INF), "--prefill-tokens": (0, INF),
-                   "--threads": (0, INF)},
+                   "--threads": (0, MAX_THREADS)},
     "prompts": {"--num": (1, INF), "--max-new-tokens": (1, INF), "--temperature": (0.0, INF, "open"),
                 "--top-p": (0.0, 1.0, "left-open"), "--seed": (0, INF), "--part-size": (1, INF), "--batch-size": (0, INF),
-                "--threads": (0, INF)},
-    "cache verify": {"--threads": (1, INF)},
+                "--threads": (0, MAX_THREADS)},
+    "cache verify": {"--threads": (1, 1024)},
     "demo": {"--train-prompts": (8, INF), "--eval-prompts": (1, INF), "--train-steps": (1, INF),
              "--drafter-layers": (1, INF)},
 }
@@ -171,7 +179,7 @@ def bad_numbers(kind: str, rng: tuple) -> list[str]:
     how = how[0] if how else "closed"
     bad = {"abc", "-1", "nan"}
     if kind == "integer":
-        bad |= {str(lo - 1), "1.5"}
+        bad |= {str(lo - 1), "1.5", HUGE, "-" + HUGE}
         if hi is not None:
             bad.add(str(hi + 1))
     else:
@@ -261,6 +269,9 @@ WORDS = [
     ("train", "time-budget", "-5m", "--time-budget"),
     ("train", "time-budget", "inf", "--time-budget"),
     ("train", "time-budget", "2d", "--time-budget"),
+    ("train", "time-budget", "1e30", "--time-budget is at most 30 days"),  # was trained at a learning rate of ~1e-29
+    ("train", "time-budget", "721h", "--time-budget is at most 30 days"),
+    ("train", "block-size", "300", "--block-size 300 is longer than the rows of --cache"),  # rows of SEQ = 128 tokens
 ]
 
 
@@ -828,3 +839,92 @@ def test_regenerate_on_a_full_disk(world, tmp_path, disk):
     assert "file too large" in line, line
     assert not out.exists() or not [n for n in os.listdir(out) if ".tmp" in n], os.listdir(out)
     ok(*args)  # without the limit: the same command runs to the end
+
+
+# ------------------------------------------------------------------------------------------------ 8. export and check
+
+
+def _small_drafter(tmp: Path, name: str = "final") -> str:
+    from tests.test_serving_contract import drafter
+
+    return drafter(tmp / name)
+
+
+def _edit_config(d: str, fn) -> str:
+    p = os.path.join(d, "config.json")
+    with open(p) as f:
+        c = json.load(f)
+    fn(c)
+    with open(p, "w") as f:
+        json.dump(c, f)
+    return d
+
+
+def _fc_of_another_shape(d: str) -> str:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    sd = load_file(os.path.join(d, "model.safetensors"))
+    sd["fc.weight"] = torch.zeros(sd["fc.weight"].shape[0], sd["fc.weight"].shape[1] - 64)
+    save_file(sd, os.path.join(d, "model.safetensors"))
+    return d
+
+
+FIELD_DAMAGE = {  # how -> (damage, what the error line names)
+    "block_size_a_list": (lambda d: _edit_config(d, lambda c: c.update(block_size=[4])), "block_size is [4]"),
+    "block_size_a_string": (lambda d: _edit_config(d, lambda c: c.update(block_size="4")), 'block_size is "4"'),
+    "block_size_a_float": (lambda d: _edit_config(d, lambda c: c.update(block_size=4.0)), "block_size is 4.0"),
+    "ids_a_string": (lambda d: _edit_config(d, lambda c: c["dflash_config"].update(target_layer_ids="1,3,5")),
+                     'dflash_config.target_layer_ids is "1,3,5"'),
+    "layer_types_short": (lambda d: _edit_config(d, lambda c: c.update(layer_types=c["layer_types"][:-1])),
+                          "layer_types has 1 entries for 2 layers"),
+    "fc_of_another_shape": (_fc_of_another_shape, "fc.weight is [64, 128] in model.safetensors, [64, 192] by"),
+}
+
+
+@pytest.mark.parametrize("cmd", ["check", "export"])
+@pytest.mark.parametrize("how", list(FIELD_DAMAGE))
+def test_damaged_drafter_fields_in_export_and_check(tmp_path, how, cmd):
+    """Before: [4] and "1,3,5" and a short layer_types were tracebacks; "4", 4.0 and a wrong fc were read as trained."""
+    damage, needle = FIELD_DAMAGE[how]
+    d = damage(_small_drafter(tmp_path))
+    argv = ["check", d] if cmd == "check" else ["export", d, "--out", tmp_path / "exp"]
+    error_line(*cli(*argv), d, needle)
+    assert not (tmp_path / "exp").exists()
+
+
+@pytest.mark.parametrize("cmd", ["check", "export"])
+@pytest.mark.parametrize("how", list(DRAFTER_DAMAGE))
+def test_damaged_drafter_in_export_and_check(world, tmp_path, how, cmd):
+    d = damaged_drafter(world, tmp_path, how)
+    if how in ("another_target", "another_width"):
+        return  # a drafter of another target is a whole drafter: export and check read it as what it is
+    argv = ["check", d] if cmd == "check" else ["export", d, "--out", tmp_path / "exp"]
+    needle = {"config_without_dflash_fields": "DFlash drafter", "weights_of_another_shape": "by config.json"}.get(
+        how, DRAFTER_DAMAGE[how])
+    error_line(*cli(*argv), str(d), needle)
+
+
+RUN_EDITS = {  # an edit of RUN/final/config.json after training -> what the check names (trained: RUN/run.json)
+    "ids_shifted": (lambda c: c["dflash_config"].update(target_layer_ids=[2, 6, 10]),
+                    "SGLang: target layers: would hook [2, 6, 10] (trained [1, 5, 9])"),
+    "block_size_removed": (lambda c: c.pop("block_size"), "SGLang: block size: would draft blocks of 16 (trained 4)"),
+    "mask_token_removed": (lambda c: c["dflash_config"].pop("mask_token_id"),
+                           "TensorRT-LLM: mask token: would use 512 (trained 511)"),
+}
+
+
+@pytest.mark.parametrize("how", list(RUN_EDITS))
+def test_a_run_final_is_checked_against_its_run_record(tmp_path, how):
+    from dflash.train.checkpoint import read_drafter_config
+
+    run = tmp_path / "run"
+    final = _small_drafter(run)
+    (run / "run.json").write_text(json.dumps({"dflash": "train", "config": {"drafter":
+                                                                            read_drafter_config(final).to_dict()}}))
+    edit, needle = RUN_EDITS[how]
+    _edit_config(final, edit)
+    error_line(*cli("check", final), needle)
+    code, out = cli("export", final, "--out", tmp_path / "exp")  # written as final/ says, and the misread said
+    warning = [ln for ln in out.splitlines() if ln.startswith("warning:")]
+    assert code == 0 and len(warning) == 1 and needle.split(": ")[1] + ":" in warning[0], out

@@ -19,6 +19,8 @@
                         note, resume from the older intact one, and the result equals the run before the damage;
                         no intact checkpoint at all: one error line
     9. bad JSON         invalid JSON in a jsonl (or .json) names the file and the line
+   10. fewer steps      a finished run given fewer steps: refused in one line (a resume cannot go back), run.json
+                        kept; with --overwrite it starts over and run.json, final/ and summary.json agree
 
 Everything runs on CPU with the tiny target of tests/tiny.py, in process (click's runner), through the helpers of
 tests/test_trust.py.
@@ -356,3 +358,21 @@ def test_invalid_json_names_the_file_and_line(world, tmp_path):
     doc.write_text('[\n {"messages": []},\n {"messages": []},\n {"messages": [}\n]\n')
     with pytest.raises(DataError, match=r"bad\.json as json: line 4: invalid JSON"):
         load_chat_dataset(str(doc))
+
+
+# ------------------------------------------------------------------------------------------------ 10. fewer steps
+
+
+def test_fewer_steps_on_a_finished_run_refuse_or_start_over(world, tmp_path):
+    """Before: --max-steps 2 (with or without --overwrite) on a 3-step run said "nothing to do", and run.json then said
+    2 steps while final/ was the 3-step drafter."""
+    run = tmp_path / "run"
+    ok(*train_args(world, run, "--max-steps", 3, *RUN))
+    record = (run / "run.json").read_text()
+    error_line(*cli(*train_args(world, run, "--max-steps", 2, *RUN)), str(run), "at step 3", "--overwrite")
+    assert (run / "run.json").read_text() == record
+    out = ok(*train_args(world, run, "--max-steps", 2, *RUN, "--overwrite"))
+    assert "nothing to do" not in out and "resumed" not in out
+    assert json.loads((run / "run.json").read_text())["config"]["total_steps"] == 2
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    assert sorted(os.listdir(run / "checkpoints")) == ["latest", "step_00000001", "step_00000002"]

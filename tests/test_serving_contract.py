@@ -9,7 +9,7 @@ Coverage:
   vLLM's capture-before ids written as dflash ids, a missing mask token (TensorRT-LLM's vocab_size), a sliding window
   not recorded for the engines (TensorRT-LLM's use_swa, vLLM's causality), a weight missing;
 - `dflash export`: both layouts check clean, a sliding-window drafter's zlab export is read as trained by vLLM and
-  TensorRT-LLM (SGLang still named: it makes sliding layers causal), files world-readable under the umask (not
+  TensorRT-LLM (SGLang still named: it makes sliding layers causal), files of the mode the umask gives (not
   safetensors' 0600), the README names each engine's flags, the trained record holds the chat template kwargs;
 - bad input to both commands (missing, file, garbled or non-drafter directories, bad flags) is one `error:` line.
 """
@@ -252,8 +252,11 @@ def test_export_is_world_readable_with_a_readme_and_the_trained_record(tmp_path)
         assert flag in readme, flag
     # an export is replaced by a new one; a folder that is not an export is refused
     assert CliRunner().invoke(cli_main, ["export", final, "--out", str(out)]).exit_code == 0
-    r = CliRunner().invoke(cli_main, ["export", final, "--out", str(tmp_path / "final")])
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("x")
+    r = CliRunner().invoke(cli_main, ["export", final, "--out", str(tmp_path / "notes")])
     assert r.exit_code == 2 and "is not a dflash export" in r.output, r.output
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "x"
 
 
 def test_bad_input_to_export_and_check_is_one_error_line(tmp_path):

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from dflash.train.config import parse_duration
-from dflash.train.time_budget import REVISE_AT, latest_step_s, read_record, total_at
+from dflash.train.time_budget import REVISE_AT, TimeBudget, latest_span, latest_step_s, read_record, total_at
 from dflash.train.trainer import TrainConfig, lr_at
 from tests.test_train import PY, REPO, _env, assert_clean_error, base, cli, env, kill_when, latest_step  # noqa: F401
 from tests.test_train import logged_steps, metrics, ok, read_json
@@ -103,8 +103,9 @@ def test_the_steps_are_decided_from_the_measured_step_time_and_the_schedule_foll
     again = read_json(run / "run.json")["time_budget"]
     redecided = math.floor(2 * budget / latest_step_s(rec))
     assert again["budget_s"] == 2 * budget and again["decided_steps"] == redecided
-    assert again["step_s"] == latest_step_s(rec) and again["probe_steps"] == rec["probe_steps"]
-    assert "decided 1.6 s before; --time-budget 3.2 s:" in out and "ms a step over steps 4-8" in out
+    first, last = latest_span(rec)  # the steps of that step time: the last revision's, not the probe's
+    assert again["step_s"] == latest_step_s(rec) and again["probe_steps"] == [first, last]
+    assert "decided 1.6 s before; --time-budget 3.2 s:" in out and f"ms a step over steps {first}-{last}" in out
     assert all(r["step"] > total for r in again["revisions"])  # this process's own revisions
     s = read_json(run / "summary.json")
     assert s["steps"] == again["total_steps"] > total and s["steps_this_run"] == again["total_steps"] - total
@@ -300,3 +301,21 @@ def test_bad_budgets_are_refused_naming_the_flag(env, tmp_path):
         TrainConfig(cache="c", target="t", out="o", time_budget_s=0.0)
     assert TrainConfig(cache="c", target="t", out="o", time_budget_s="90m").time_budget_s == 5400.0  # a preset's too
     assert parse_duration("1e3") == parse_duration(1000) == 1000.0
+
+
+@pytest.mark.parametrize("recorded_span", [True, False])
+def test_a_redecision_names_the_steps_its_step_time_was_measured_over(tmp_path, capsys, recorded_span):
+    """Before: after a revision, a resume with another budget said "200.0 ms a step over steps 4-8", the revision's
+    step time under the probe's steps. A revision recorded before revisions kept their steps: the steps since the
+    probe (or the revision) before it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    revision = {"step": 100, "spent_s": 40.0, "step_s": 0.2, "total_steps": 400, **({"steps": [9, 100]}
+                                                                                   if recorded_span else {})}
+    rec = {"budget_s": 100.0, "step_s": 0.5, "probe_steps": [4, 8], "total_steps": 400, "decided_steps": 200,
+           "revisions": [revision]}
+    (run / "run.json").write_text(json.dumps({"dflash": "train", "config": {}, "time_budget": rec}))
+    assert TimeBudget(200.0, 5, str(run), True).resume(10) == 1000
+    out = capsys.readouterr().out
+    assert "decided 100 s before; --time-budget 200 s: 200.0 ms a step over steps 9-100 -> 1,000 steps" in out, out
+    assert read_record(str(run))["probe_steps"] == [9, 100]

@@ -21,6 +21,7 @@ import torch
 from dflash.core.io import shared_mode
 from dflash.core.layers import default_layer_ids
 from dflash.train.dflash2 import make_drafter
+from dflash.train.drafter_fields import field_problem
 from dflash.train.model import DFlashDrafter, DrafterConfig, DrafterError
 
 CONFIG_NAME, WEIGHTS_NAME = "config.json", "model.safetensors"
@@ -114,13 +115,21 @@ def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfl
     shared_mode(os.path.join(path, WEIGHTS_NAME))  # save_file makes it 0600: a server of another user must read it
 
 
+def not_a_checkpoint(path: str, why: str) -> DrafterError:
+    """'PATH is not a drafter checkpoint: WHY', pointing at PATH/final when PATH is a run directory."""
+    final = os.path.join(path, "final")
+    if os.path.isfile(os.path.join(final, CONFIG_NAME)) or os.path.isfile(os.path.join(path, "run.json")):
+        return DrafterError(f"{path} is a training run directory, not a drafter checkpoint: give its drafter, {final}")
+    return DrafterError(f"{path} is not a drafter checkpoint: {why}")
+
+
 def read_drafter_config(path: str) -> DrafterConfig:
     """The DrafterConfig of the checkpoint directory `path` (its config.json); a DrafterError says what is wrong."""
     cfg_path = os.path.join(path, CONFIG_NAME)
     if not os.path.isdir(path):
         raise DrafterError(f"{path} is not a drafter checkpoint: not a directory")
     if not os.path.exists(cfg_path):
-        raise DrafterError(f"{path} is not a drafter checkpoint: {CONFIG_NAME} is missing")
+        raise not_a_checkpoint(path, f"{CONFIG_NAME} is missing")
     try:
         with open(cfg_path, "rb") as f:
             d = json.loads(f.read())
@@ -128,6 +137,9 @@ def read_drafter_config(path: str) -> DrafterConfig:
         raise DrafterError(f"{path}: {CONFIG_NAME} cannot be read as JSON ({e})") from None
     if not isinstance(d, dict):
         raise DrafterError(f"{path}: {CONFIG_NAME} holds a {type(d).__name__}, not a drafter config")
+    problem = field_problem(d)
+    if problem:
+        raise DrafterError(f"{path}: {CONFIG_NAME}: {problem}")
     if "num_target_layers" not in d:
         raise DrafterError(f"{path} is not a DFlash drafter checkpoint: its {CONFIG_NAME} has no num_target_layers "
                            f"or dflash_config{' (it is a target model config)' if 'dflash_config' not in d else ''}; "

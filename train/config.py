@@ -100,9 +100,11 @@ class TrainConfig:
         check(bool(self.target), "target", "is required (the same target model the cache was extracted from)")
         check(bool(self.out), "out", "is required (the run directory)")
         check(self.arch in ARCHS, "arch", f"must be one of {', '.join(ARCHS)}, got {self.arch!r}")
-        check(self.drafter_layers >= 1, "drafter_layers", f"must be >= 1, got {self.drafter_layers}")
-        check(self.draft_window is None or self.draft_window >= 1, "draft_window",
-              f"must be >= 1 (positions before the anchor a sliding layer sees), got {self.draft_window}")
+        check(1 <= self.drafter_layers <= MAX_DRAFTER_LAYERS, "drafter_layers",
+              f"must be in [1, {MAX_DRAFTER_LAYERS}], got {self.drafter_layers}")
+        check(self.draft_window is None or 1 <= self.draft_window <= MAX_DRAFT_WINDOW, "draft_window",
+              f"must be in [1, {MAX_DRAFT_WINDOW}] (positions before the anchor a sliding layer sees), got "
+              f"{self.draft_window}")
         if self.drafter_shape is not None:
             shape = self.drafter_shape
             bad = sorted(set(shape) - set(DRAFTER_SHAPE_KEYS))
@@ -132,7 +134,8 @@ class TrainConfig:
         check(self.selector_top_k >= 1, "selector_top_k", f"must be >= 1, got {self.selector_top_k}")
         check(finite(self.selector_loss_alpha) and self.selector_loss_alpha >= 0, "selector_loss_alpha",
               f"must be a finite number >= 0, got {self.selector_loss_alpha}")
-        check(self.block_size >= 2, "block_size", f"must be >= 2, got {self.block_size}")
+        check(2 <= self.block_size <= MAX_BLOCK_SIZE, "block_size",
+              f"must be in [2, {MAX_BLOCK_SIZE}] (and fit the cache's rows), got {self.block_size}")
         check(self.num_anchors >= 1, "num_anchors", f"must be >= 1, got {self.num_anchors}")
         check(finite(self.gamma) and self.gamma > 0, "gamma", f"must be a finite number > 0, got {self.gamma}")
         check(self.batch_rows >= 1, "batch_rows", f"must be >= 1, got {self.batch_rows}")
@@ -160,7 +163,7 @@ class TrainConfig:
         check(self.attn in ("auto", "flex", "split", "sdpa"), "attn", "must be auto, flex, split or sdpa")
         check(self.compile in ("auto", "on", "off"), "compile", "must be auto, on or off")
         check(self.compile_scope in ("regions", "step"), "compile_scope", f"must be regions or step, got {self.compile_scope!r}")
-        check(self.log_every >= 1, "log_every", f"must be >= 1, got {self.log_every}")
+        check(1 <= self.log_every <= MAX_LOG_EVERY, "log_every", f"must be in [1, {MAX_LOG_EVERY}], got {self.log_every}")
         check(self.save_every >= 1, "save_every", f"must be >= 1, got {self.save_every}")
         check(self.keep_checkpoints >= 1, "keep_checkpoints", f"must be >= 1, got {self.keep_checkpoints}")
         check(self.loader_threads >= 1, "loader_threads", f"must be >= 1 (threads that decode the cache), got {self.loader_threads}")
@@ -191,7 +194,18 @@ def parse_duration(value: str | float | None) -> float | None:
     if seconds is None or not math.isfinite(seconds) or seconds <= 0:
         raise ConfigError(f"--time-budget expects a training time > 0: seconds, or a number with s, m or h (300, 90m, "
                           f"2h), got {value!r}", "time_budget_s")
+    if seconds > MAX_TIME_BUDGET_S:
+        raise ConfigError(f"--time-budget is at most {MAX_TIME_BUDGET_S / 86400:.0f} days ({MAX_TIME_BUDGET_S:.0f} s), "
+                          f"got {value!r}", "time_budget_s")
     return seconds
+
+
+MAX_TIME_BUDGET_S = 30 * 86400.0  # --time-budget's bound: a longer one is a typo (1e30), not a training run
+# Bounds of the settings whose value sizes memory or a loop (a typo such as 99999999999999999999 must not reach torch):
+MAX_DRAFTER_LAYERS = 256
+MAX_BLOCK_SIZE = 4096  # and at most the cache's row length (checked when the cache is open: train/trainer.py)
+MAX_DRAFT_WINDOW = 2**31 - 1
+MAX_LOG_EVERY = 1_000_000  # steps between logs; the window's per-step losses are kept on the device
 
 
 ARCHS = ("dflash", "dflash2")

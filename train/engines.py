@@ -13,6 +13,8 @@ read in, and pinned by table tests (tests/test_serving_contract.py). speculators
     mask_token_id   the id it fills the block's slots 1..B-1 with; None when it would take a token by name
     layers          one (causal, window) per draft layer: causal within the block or not, and the number of
                     context positions a query sees (None: all of them)
+    arch            the drafter it builds: "dflash", or "dflash2" with `dflash2` its convolution and selector sizes
+                    (conv_kernel_size, conv_group_size, selector_rank, selector_top_k)
     notes           what the engine fell back to, in words
 
 The rules, per engine (the file and commit each was read in):
@@ -48,6 +50,11 @@ speculators 0.9.0 (PyPI), speculators/convert/dflash/converter.py and speculator
     Layers: full layers bidirectional; sliding layers causal unless sliding_window_non_causal; a sliding window
     is anchored at the block's anchor (context positions >= anchor - window), not at each query.
 
+DFlash2 (train/dflash2.py): SGLang, vLLM and TensorRT-LLM (at the commits above) and speculators' DFlashConverter
+build DFlash drafters only: a DFlash2 checkpoint is read as DFlash, its convolution and selector tensors unused.
+speculators builds DFlash2 from its own format with speculators_model_type "dflash2" (DFlash2DraftModel), the sizes
+read from the top level of config.json, with its defaults (kernel 2, group 16, rank 256, top-k 16) where absent.
+
 dflash itself (train/model.py) trains full layers bidirectional within the block, and sliding layers
 bidirectional within the block with each query seeing context positions p where q - p < window.
 """
@@ -70,6 +77,14 @@ class Reading:
     layers: list[tuple[bool, int | None]]
     notes: list[str] = field(default_factory=list)
     window_from: str = "query"  # where a sliding window is measured from: each query, or the block's "anchor"
+    arch: str = "dflash"  # the drafter the engine builds
+    dflash2: dict[str, int] | None = None  # DFlash2's sizes as the engine reads them (arch "dflash2")
+
+
+DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+SPECULATORS_DFLASH2_DEFAULTS = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_rank": 256,
+                                "selector_top_k": 16}  # speculators 0.9.0's DFlash2SpeculatorConfig
+DFLASH_ONLY = "serves DFlash only"
 
 
 def _dc(config: dict) -> dict:
@@ -163,8 +178,15 @@ def read_tensorrt_llm(config: dict, num_target_layers: int) -> Reading:
 
 def read_speculators(config: dict, num_target_layers: int) -> Reading:
     """speculators 0.9.0, from its own format (speculators_model_type) or through DFlashConverter (z-lab)."""
-    notes = []
-    if config.get("speculators_model_type") == "dflash":
+    notes, arch, sizes = [], "dflash", None
+    kind = config.get("speculators_model_type")
+    if kind == "dflash2":
+        arch = "dflash2"
+        sizes = {k: config.get(k, SPECULATORS_DFLASH2_DEFAULTS[k]) for k in DFLASH2_SIZES}
+        absent = [k for k in DFLASH2_SIZES if k not in config]
+        if absent:
+            notes.append(f"no top-level {', '.join(absent)}: its defaults")
+    if kind in ("dflash", "dflash2"):
         aux = config.get("aux_hidden_state_layer_ids")
         block, mask = config.get("block_size"), config.get("mask_token_id")
         non_causal = bool(config.get("sliding_window_non_causal", False))
@@ -181,7 +203,7 @@ def read_speculators(config: dict, num_target_layers: int) -> Reading:
     window = tl.get("sliding_window")
     layers = [(not non_causal, window) if t == SLIDING else (False, None) for t in lt]
     ids = None if aux is None else [int(j) - 1 for j in aux]
-    return Reading("speculators", ids, block, mask, layers, notes, window_from="anchor")
+    return Reading("speculators", ids, block, mask, layers, notes, window_from="anchor", arch=arch, dflash2=sizes)
 
 
 READERS = {"SGLang": read_sglang, "vLLM": read_vllm, "TensorRT-LLM": read_tensorrt_llm,

@@ -59,7 +59,7 @@ from dflash.core import progress
 from dflash.core.chat import DataError, eos_ids_of, iter_row_batches, load_chat_dataset, row_messages
 from dflash.core.config import check, finite
 from dflash.core.decode_state import eager_reason
-from dflash.core.threads import decode_threads
+from dflash.core.threads import check_threads, decode_threads
 from dflash.core.dist import compute_init, resolve_dtype
 from dflash.core.hybrid import check_layer_kinds
 from dflash.core.target import load_causal_lm, load_config, load_tokenizer, text_config
@@ -112,7 +112,7 @@ class EvalConfig:
         check(self.dtype in ("auto", "bfloat16", "float32"), "dtype", "must be auto, bfloat16 or float32")
         check(self.warmup_prompts >= 0, "warmup_prompts", "must be >= 0")
         check(finite(self.tie_margin) and self.tie_margin >= 0, "tie_margin", "must be a finite number >= 0")
-        check(self.threads >= 0, "threads", f"must be >= 0 (0: 1 on a CPU), got {self.threads}")
+        check_threads(self.threads)
 
 
 # --------------------------------------------------------------------------------------------

@@ -191,6 +191,9 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
     path = os.path.join(cfg.out, RUN_MARKER)
     old_doc = run_marker(cfg.out)
     record = _cache_record(caches, cfg)
+    if cfg.overwrite and os.path.isdir(cfg.out):  # --overwrite starts over, whatever RUN holds (never resumes)
+        _remove_run(cfg.out)
+        old_doc = None
     if old_doc is not None:
         old = old_doc.get("config", {})
         problem = next((f"{cfg.out} holds a different run: setting '{k}' was {old.get(k)!r}, now "
@@ -201,26 +204,35 @@ def check_run_dir(cfg: TrainConfig, resolved: dict[str, Any], caches: dict[str, 
         if not problem and json.dumps(old.get("cache")) != json.dumps(resolved.get("cache")):
             problem = _moved_cache(old_doc, resolved, record, cfg.out)
         problem = problem or _cache_problem(old_doc, record, cfg.out)
-        if problem and cfg.overwrite:
-            _remove_run(cfg.out)
-            old_doc = None
-        elif problem:
+        if problem:
             raise TrainError(problem)
-        elif "caches" not in old_doc and record and os.path.isdir(os.path.join(cfg.out, "checkpoints")):
+        if "caches" not in old_doc and record and os.path.isdir(os.path.join(cfg.out, "checkpoints")):
             print0(f"train: note: {cfg.out}/run.json records no identity of its cache (written by an older dflash): "
                    "cannot check that --cache holds the data the run was trained on")
-    elif cfg.overwrite and os.path.isdir(cfg.out):
-        _remove_run(cfg.out)
-    if old_doc is not None:
-        try:
-            resume_checkpoint(cfg.out)
-        except NoIntactCheckpoint:
-            if not cfg.overwrite:
-                raise
-            _remove_run(cfg.out)  # nothing to resume from: --overwrite starts over
+        past = _step_past_total(resume_checkpoint(cfg.out), resolved, cfg)
+        if past:
+            raise TrainError(past)
     os.makedirs(os.path.join(cfg.out, "checkpoints"), exist_ok=True)
     kept = {k: old_doc[k] for k in ("time_budget",) if old_doc is not None and k in old_doc}  # train/time_budget.py
     atomic_json(path, {"config": resolved, "dflash": "train", "caches": record, **kept})
+
+
+def _step_past_total(ck: str | None, resolved: dict[str, Any], cfg: TrainConfig) -> str | None:
+    """Why a resume from checkpoint `ck` cannot give the run asked for: it is already past the total steps
+    (--max-steps 6 on a run at step 20 would leave final/ the 20-step drafter and run.json saying 6)."""
+    total = resolved.get("total_steps")
+    if ck is None or cfg.time_budget_s is not None or not isinstance(total, int):
+        return None  # --time-budget's total is the record's (train/time_budget.py)
+    try:
+        with open(os.path.join(ck, "trainer.json")) as f:
+            step = int(json.load(f)["step"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if step <= total:
+        return None
+    asked = f"--max-steps {cfg.max_steps}" if cfg.max_steps else f"--epochs {cfg.epochs or 1} ({total} steps)"
+    return (f"{cfg.out} is at step {step}, past the {total} steps of {asked}: a resume cannot go back; give at least "
+            f"{step} steps to resume, or --overwrite to start over with {total}")
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints

@@ -21,14 +21,15 @@ How (TimeBudget, driven by the Trainer):
     carried over by check_run_dir. A resumed run, or one that starts over from step 0 after the decision, keeps the
     recorded decision and never probes again (it replays the revisions: below); a run stopped before the decision
     measures again. A resume with another --time-budget decides again from the last recorded step time (no new
-    probe, the revisions dropped), as a resume with another --max-steps stretches the schedule; one without
+    probe, the revisions dropped; the record then names the steps that step time was measured over), as a resume with another --max-steps stretches the schedule; one without
     --time-budget trains the steps --max-steps / --epochs give;
   * the revisions: a step time measured once, early, can be off for the whole run (DFlash2 on the H200: 172.5 ms over
     steps 4-53, then 163 ms a step by step 100 and 145 ms by step 1,000: the budget's steps trained in 0.87 of it).
     So when the run reaches half of its total, and again at nine tenths (REVISE_AT), it decides again: the training
     time spent so far (this process's, plus the steps before it at the last recorded step time), the step time since
     the last decision, and total = max(steps done, done + floor(time left / step time)). Each revision is recorded
-    (run.json's "revisions": its step, the time spent, the step time, the total) and printed. A resumed process
+    (run.json's "revisions": its step, the time spent, the step time and the steps it was measured over, the
+    total) and printed. A resumed process
     replays the recorded revisions at their steps, so its learning rate is the one the killed run had, and makes
     the ones not yet recorded itself (after its own WARMUP_STEPS and at least `time_budget_probe` timed steps);
   * the learning-rate schedule lr_at(step, total) follows the total in effect (the decision's, then each
@@ -114,6 +115,21 @@ def latest_step_s(rec: dict[str, Any]) -> float:
     return revisions[-1]["step_s"] if revisions else rec["step_s"]
 
 
+def latest_span(rec: dict[str, Any]) -> list[int]:
+    """The steps [first, last] the last recorded step time (latest_step_s) was measured over: its last revision's
+    ("steps"; for a revision recorded without them, the steps since the revision or probe before it), else the
+    probe's."""
+    revisions = rec.get("revisions") or []
+    if not revisions:
+        return list(rec["probe_steps"])
+    last = revisions[-1]
+    steps = last.get("steps")
+    if isinstance(steps, list) and len(steps) == 2 and all(isinstance(k, int) for k in steps):
+        return list(steps)
+    before = revisions[-2]["step"] if len(revisions) > 1 else rec["probe_steps"][1]
+    return [before + 1, last["step"]]
+
+
 def total_at(rec: dict[str, Any], step: int) -> int:
     """The total in effect after optimizer step `step`: the last revision made at or before it, else the decision's
     (also before the probe's end: a run that starts over after the decision takes it from step 0)."""
@@ -151,8 +167,8 @@ class TimeBudget:
             return provisional
         if rec["budget_s"] != self.budget_s:  # another budget: the last recorded step time, no new probe
             was, total = rec["budget_s"], steps_for(self.budget_s, latest_step_s(rec), 0)
-            rec = dict(rec, budget_s=self.budget_s, step_s=latest_step_s(rec), total_steps=total, decided_steps=total,
-                       revisions=[])
+            rec = dict(rec, budget_s=self.budget_s, step_s=latest_step_s(rec), probe_steps=latest_span(rec),
+                       total_steps=total, decided_steps=total, revisions=[])  # the span that step time is of
             print0(f"train: note: {self.out} decided {was:g} s before; {describe(rec)} from its recorded step time")
         else:
             print0(f"train: {describe(rec)} (decided before, {self.out}/run.json)")
@@ -214,7 +230,8 @@ class TimeBudget:
         step_s = slowest(max(t - t_since, 1e-9) / (step - since))
         spent = slowest(self.before_s + t)
         total = step + steps_in(self.budget_s - spent, step_s)
-        revisions.append({"step": step, "spent_s": round(spent, 3), "step_s": step_s, "total_steps": total})
+        revisions.append({"step": step, "spent_s": round(spent, 3), "step_s": step_s, "total_steps": total,
+                          "steps": [since + 1, step]})
         self.record["total_steps"] = total
         self.mark = (step, t)
         print0(f"train: --time-budget {self.budget_s:g} s: revised at step {step:,}: {spent:.1f} s spent, "

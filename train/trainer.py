@@ -102,6 +102,10 @@ class Trainer:
         except dflash_cache.CacheIncompleteError as e:
             raise TrainError(f"{e}, or train while it is written: the same command with --follow") from e
         cache = self.cache
+        if cfg.block_size > cache.seq_len:  # before anything is sized by it
+            raise ConfigError(f"--block-size {cfg.block_size} is longer than the rows of --cache {cfg.cache} "
+                              f"({cache.seq_len} tokens): a block must fit in a row (at most {cache.seq_len})",
+                              "block_size")
         if self.follower is not None:
             self.follower.attach(cache)
             if not cache.complete:

@@ -11,6 +11,8 @@ otherwise; N > 0 is N; on CUDA the host's threads only launch kernels and are le
         ...
 
 The previous count is restored after the work: the demo runs its stages in one process, and training keeps its own.
+A count above `max_threads()` (4 per core, at least 64) is refused by the commands' configs (check_threads): a
+typo such as 100000 made torch start threads until the process could start no more, then crash.
 """
 
 from __future__ import annotations
@@ -22,6 +24,20 @@ from typing import Iterator
 import torch
 
 from dflash.core.dist import parse_device
+
+
+def max_threads() -> int:
+    """The most --threads a decoding command takes on this machine: 4 per core, at least 64."""
+    return max(64, 4 * (os.cpu_count() or 1))
+
+
+def check_threads(threads: int) -> None:
+    """--threads in [0, max_threads()] (0: the default rule above), else a ConfigError naming --threads."""
+    from dflash.core.config import check
+
+    most = max_threads()
+    check(0 <= threads <= most, "threads", f"must be in [0, {most}] (0: 1 on a CPU; the most is 4 per core of this "
+          f"machine, at least 64), got {threads}")
 
 
 def chosen_threads(requested: int, device: str | None) -> int | None:
