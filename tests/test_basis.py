@@ -143,25 +143,137 @@ def test_resumed_extraction_keeps_its_basis(work, targets, data_path, basis_cach
         assert after.commits[s]["crc32"] == dflash_cache.open(str(basis_cache)).commits[s]["crc32"]
 
 
-def test_another_basis_is_refused_naming_the_field(work, targets, data_path, basis_cache, plain_cache, cli):  # noqa: F811
-    # another rank on resume
-    r = cli(*extract_args(targets["qwen3"], data_path, basis_cache, "--hidden-dtype", "fp8", "--basis-rank", 32))
-    assert r.exit_code == 2 and "'basis.rank'" in error_line(r.stderr) and "--overwrite" in error_line(r.stderr)
-    # a second cache on the first one's basis: the same record; on a third basis: refused naming basis.digest
+@pytest.fixture(scope="module")
+def held_cache(work, targets, data_path, basis_cache, cli):  # noqa: F811
+    """A second cache extracted on the first one's basis (--basis-from)."""
     held = work / "held-out-basis"
     r = cli(*extract_args(targets["qwen3"], data_path, held, "--hidden-dtype", "fp8", "--max-samples", 20,
                           "--basis-from", basis_cache))
-    assert r.exit_code == 0, r.output
-    assert "fitting a basis" not in r.stdout
-    assert dflash_cache.open(str(held)).metadata["basis"] == dflash_cache.open(str(basis_cache)).metadata["basis"]
+    assert r.exit_code == 0 and "fitting a basis" not in r.stdout, r.output
+    return held
+
+
+@pytest.fixture(scope="module")
+def other_cache(work, targets, data_path, cli):  # noqa: F811
+    """A cache on a basis of its own (fitted on other rows: the first 20 conversations)."""
     other = work / "other-basis"
     r = cli(*extract_args(targets["qwen3"], data_path, other, "--hidden-dtype", "fp8", "--max-samples", 20,
                           "--basis-rank", RANK))
     assert r.exit_code == 0, r.output
-    assert dflash_cache.open(str(other)).metadata["basis"]["digest"] != dflash_cache.open(str(held)).metadata["basis"]["digest"]
-    r = cli(*extract_args(targets["qwen3"], data_path, held, "--hidden-dtype", "fp8", "--max-samples", 20,
-                          "--basis-from", other))
+    return other
+
+
+def test_another_basis_is_refused_naming_the_field(work, targets, data_path, basis_cache, plain_cache, held_cache,
+                                                   other_cache, cli):  # noqa: F811
+    # another rank on resume
+    r = cli(*extract_args(targets["qwen3"], data_path, basis_cache, "--hidden-dtype", "fp8", "--basis-rank", 32))
+    assert r.exit_code == 2 and "'basis.rank'" in error_line(r.stderr) and "--overwrite" in error_line(r.stderr)
+    # --basis-from gives the same record; a cache on another basis differs in its digest
+    assert dflash_cache.open(str(held_cache)).metadata["basis"] == dflash_cache.open(str(basis_cache)).metadata["basis"]
+    assert (dflash_cache.open(str(other_cache)).metadata["basis"]["digest"]
+            != dflash_cache.open(str(held_cache)).metadata["basis"]["digest"])
+    # resuming a cache with --basis-from another basis: refused naming basis.digest
+    r = cli(*extract_args(targets["qwen3"], data_path, held_cache, "--hidden-dtype", "fp8", "--max-samples", 20,
+                          "--basis-from", other_cache))
     line = error_line(r.stderr)
     assert r.exit_code == 2 and "'basis.digest'" in line and "--basis-from" in line, r.output
+    # --basis-from a cache without a basis
     r = cli(*extract_args(targets["qwen3"], data_path, work / "nope", "--basis-from", plain_cache))
     assert r.exit_code == 2 and "--basis-from" in error_line(r.stderr) and "--basis-rank" in error_line(r.stderr)
+
+
+# ------------------------------------------------------------------------------------------------ train
+
+
+def test_composed_drafter_drafts_the_projected_drafters_logits(tmp_path):
+    from dflash.train.checkpoint import load_drafter, save_drafter
+    from dflash.train.dflash2 import make_drafter
+    from dflash.train.model import DrafterConfig
+
+    cfg = DrafterConfig.named("tiny", basis_rank=40)  # K*H = 2 * 64 = 128 features, 40 stored
+    g = torch.Generator().manual_seed(0)
+    model = make_drafter(cfg).float()
+    model.reset_parameters(seed=1)
+    V, H = cfg.vocab_size, cfg.hidden_size
+    emb, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) / 8
+    model.set_target_head(emb, head)
+    assert model.fc.weight.shape == (H, 40)
+    p = torch.linalg.qr(torch.randn(128, 40, generator=g, dtype=torch.float64))[0].T.float()  # [40, 128]
+    x = torch.randn(2, 24, 128, generator=g) * 3
+    z = x @ p.T
+    save_drafter(model, str(tmp_path / "final"), dtype=torch.float32, basis=p.numpy())
+    comp = load_drafter(str(tmp_path / "final"), dtype=torch.float32)
+    comp.set_target_head(emb, head)
+    assert comp.cfg.basis_rank == 0 and comp.fc.weight.shape == (H, 128)
+    assert "basis_rank" not in json.loads((tmp_path / "final" / "config.json").read_text())["dflash_config"]
+
+    def draft(m, hidden):
+        cache = m.new_cache(2, 32)
+        m.extend_context(cache, hidden, torch.arange(24).expand(2, 24))
+        block = torch.tensor([[5, cfg.mask_token_id, cfg.mask_token_id, cfg.mask_token_id]] * 2)
+        return m.draft_block(cache, block, torch.arange(24, 28).expand(2, 4))
+
+    a, b = draft(model, z), draft(comp, x)
+    assert a.shape == (2, cfg.block_size - 1, V)
+    assert torch.allclose(a, b, rtol=1e-5, atol=1e-5), (a - b).abs().max()
+    assert torch.allclose(model.fuse_context(z), comp.fuse_context(x), rtol=1e-5, atol=1e-5)
+
+
+SMALL = ["--drafter-layers", "1", "--block-size", "4", "--num-anchors", "16", "--batch-rows", "2", "--no-progress"]
+
+
+def check_composed(run, cache_path) -> None:
+    """final/ = the last checkpoint's fc' times the cache's P, in the usual layout (K*H inputs, no basis_rank)."""
+    from safetensors.torch import load_file
+
+    ck = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    ck_cfg = json.loads((ck / "config.json").read_text())
+    fin_cfg = json.loads((run / "final" / "config.json").read_text())
+    assert ck_cfg["dflash_config"]["basis_rank"] == RANK and "basis_rank" not in fin_cfg["dflash_config"]
+    fc_ck = load_file(str(ck / "model.safetensors"))["fc.weight"]
+    fc_final = load_file(str(run / "final" / "model.safetensors"))["fc.weight"]
+    p = torch.from_numpy(dflash_cache.open(str(cache_path)).basis())
+    assert fc_ck.shape == (64, RANK) and fc_final.shape == (64, len(LAYERS) * 64)
+    want = (fc_ck.double() @ p.double()).to(torch.bfloat16)
+    assert torch.equal(fc_final, want)
+
+
+def test_train_on_a_basis_writes_the_composed_drafter(work, targets, basis_cache, held_cache, cli):  # noqa: F811
+    run = work / "run-basis"
+    r = cli("train", "--cache", basis_cache, "--target", targets["qwen3"], "--out", run, *SMALL, "--max-steps", 4,
+            "--save-every", 2, "--val-cache", held_cache, "--val-rows", 2)
+    assert r.exit_code == 0, (r.output, r.exception)
+    check_composed(run, basis_cache)
+    rec = json.loads((run / "run.json").read_text())["caches"]
+    assert rec["cache"]["identity"]["basis.digest"] == rec["val_cache"]["identity"]["basis.digest"]
+    # final/ exports and checks as any drafter; a checkpoint on the basis is refused naming the field
+    r = cli("export", run / "final", "--format", "zlab", "--out", work / "export-basis", "--check")
+    assert r.exit_code == 0, r.output
+    ck = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
+    r = cli("export", ck, "--format", "zlab", "--out", work / "export-ck")
+    assert r.exit_code == 2 and "basis_rank" in error_line(r.stderr), r.output
+
+
+def test_train_refuses_a_val_cache_on_another_basis(work, targets, basis_cache, other_cache, plain_cache, cli):  # noqa: F811
+    for val, theirs in ((other_cache, "'basis.digest'"), (plain_cache, "'basis.digest' is None")):
+        r = cli("train", "--cache", basis_cache, "--target", targets["qwen3"], "--out", work / "run-refused", *SMALL,
+                "--max-steps", 2, "--val-cache", val)
+        line = error_line(r.stderr)
+        assert r.exit_code == 2 and "--val-cache" in line and theirs in line and "--basis-from" in line, r.output
+
+
+def test_a_follower_trains_on_the_extractions_basis(work, targets, data_path):
+    out, run = work / "basis-followed", work / "run-follower"
+    args = extract_args(targets["qwen3"], data_path, out, "--hidden-dtype", "fp8", "--basis-rank", RANK)
+    with open(work / "basis-followed.log", "w") as logf:
+        ext = subprocess.Popen([PY, "-m", "dflash", *args], stdout=logf, stderr=subprocess.STDOUT, env=cli_env(work),
+                               cwd=REPO)
+        try:
+            log = run_cli(work, "train", "--cache", out, "--target", targets["qwen3"], "--out", run, *SMALL,
+                          "--max-steps", 4, "--save-every", 2, "--follow", "--follow-timeout", 300)
+        finally:
+            assert ext.wait(timeout=300) == 0, (work / "basis-followed.log").read_text()
+    assert "--follow" in log
+    check_composed(run, out)
+    digest = dflash_cache.open(str(out)).metadata["basis"]["digest"]
+    assert json.loads((run / "run.json").read_text())["caches"]["cache"]["identity"]["basis.digest"] == digest
