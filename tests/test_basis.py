@@ -144,22 +144,21 @@ def test_resumed_extraction_keeps_its_basis(work, targets, data_path, basis_cach
 
 
 @pytest.fixture(scope="module")
-def held_cache(work, targets, data_path, basis_cache, cli):  # noqa: F811
+def held_cache(work, targets, data_path, basis_cache):
     """A second cache extracted on the first one's basis (--basis-from)."""
     held = work / "held-out-basis"
-    r = cli(*extract_args(targets["qwen3"], data_path, held, "--hidden-dtype", "fp8", "--max-samples", 20,
-                          "--basis-from", basis_cache))
-    assert r.exit_code == 0 and "fitting a basis" not in r.stdout, r.output
+    log = run_cli(work, *extract_args(targets["qwen3"], data_path, held, "--hidden-dtype", "fp8", "--max-samples", 20,
+                                      "--basis-from", basis_cache))
+    assert "fitting a basis" not in log
     return held
 
 
 @pytest.fixture(scope="module")
-def other_cache(work, targets, data_path, cli):  # noqa: F811
+def other_cache(work, targets, data_path):
     """A cache on a basis of its own (fitted on other rows: the first 20 conversations)."""
     other = work / "other-basis"
-    r = cli(*extract_args(targets["qwen3"], data_path, other, "--hidden-dtype", "fp8", "--max-samples", 20,
-                          "--basis-rank", RANK))
-    assert r.exit_code == 0, r.output
+    run_cli(work, *extract_args(targets["qwen3"], data_path, other, "--hidden-dtype", "fp8", "--max-samples", 20,
+                                "--basis-rank", RANK))
     return other
 
 
@@ -247,8 +246,12 @@ def test_train_on_a_basis_writes_the_composed_drafter(work, targets, basis_cache
     rec = json.loads((run / "run.json").read_text())["caches"]
     assert rec["cache"]["identity"]["basis.digest"] == rec["val_cache"]["identity"]["basis.digest"]
     # final/ exports and checks as any drafter; a checkpoint on the basis is refused naming the field
-    r = cli("export", run / "final", "--format", "zlab", "--out", work / "export-basis", "--check")
+    # (no --check: layer 5 is this tiny target's last, which speculators drops whatever the basis)
+    r = cli("export", run / "final", "--format", "zlab", "--out", work / "export-basis")
     assert r.exit_code == 0, r.output
+    from safetensors.torch import load_file
+
+    assert load_file(str(work / "export-basis" / "model.safetensors"))["fc.weight"].shape == (64, len(LAYERS) * 64)
     ck = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     r = cli("export", ck, "--format", "zlab", "--out", work / "export-ck")
     assert r.exit_code == 2 and "basis_rank" in error_line(r.stderr), r.output
