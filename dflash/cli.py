@@ -100,6 +100,12 @@ def cache_info(path, as_json):
                     f"raw {m.get('hidden_dtype', 'bfloat16')} hidden = {rep['raw_hidden_bytes_per_token']:,})"),
         ("format", f"{m['format']} v{m['format_version']}"),
     ]
+    b = rep.get("basis")
+    if b:  # the context features on their own basis (dflash_cache/basis.py)
+        per = ", ".join(f"{k}: {100 * v:.2f}%" for k, v in b["energy_per_layer"].items())
+        lines.insert(-1, ("basis", f"rank {b['rank']} of {b['width']} (K*H) features, keeping {100 * b['energy']:.2f}% "
+                                   f"of their energy (per layer {per}) over {b['fit_tokens']:,} fit tokens; "
+                                   f"{rep['raw_hidden_bytes_per_token']:,} raw bytes per token; digest {b['digest']}"))
     for k in ("data_fingerprint", "tokenizer_fingerprint", "chat_template_fingerprint"):
         if k in info:
             lines.append((k.replace("_", " "), info[k]))
@@ -183,6 +189,18 @@ def cache_verify(path, threads, repair):
         help="Also store the target's last hidden state (after its final norm): what `dflash train --arch dflash2` "
              "learns the target's distribution from. H values more per token (bf16: 2H bytes); the target runs all "
              "its layers.")
+@option("--basis-rank", type=int,
+        help="Store the K context layers' features on their own basis of R directions (z = P x: R values per token "
+             "instead of K*H; P = the top R eigenvectors of the features' uncentred second moment, fitted by the target "
+             "on --basis-fit-tokens tokens of the data and kept in the cache). A drafter trained on it is written with "
+             "the composed fc (K*H inputs), as any other. 0: the features as they are. With fp8 (one scale per token) "
+             "or bf16; the last hidden state of --last-hidden stays as it is.", default_text="0")
+@option("--basis-from", metavar="CACHE",
+        help="Store the features on the basis of this cache (same target and layers) instead of fitting one: a "
+             "--val-cache for a cache on a basis must be on the same one.")
+@option("--basis-fit-tokens", type=int,
+        help="Row tokens the basis is fitted on: the real tokens of ceil(N / T) rows spread evenly over the plan.",
+        default_text="65536")
 @option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.", default_text="the cores / ranks on the node")
 @option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")

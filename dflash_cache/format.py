@@ -1,4 +1,4 @@
-"""The on-disk contract of a dflash hidden-state cache (format versions 1, 2 and 3).
+"""The on-disk contract of a dflash hidden-state cache (format versions 1 to 4).
 
 A cache is a zarr v3 hierarchy (a local directory or any fsspec URL):
 
@@ -34,6 +34,11 @@ the target's last layer, L-1, stored after the target's final norm (what its LM 
 LM head @ those H channels), as the last H channels of `hidden`; the K context layers come first. It costs H values
 more per token (bf16: 2H bytes, fp8: H bytes + one float32 scale). Caches without the attribute read as before.
 
+The context features on their own basis (root attribute "basis", a record; `dflash extract --basis-rank R`; format
+version 4): `hidden` holds z = P x, R values per token instead of K*H (then, with last_hidden, the H channels of the
+last hidden state as they are), and the root array `basis` holds P, float32 [R, K*H]; basis.py has the rules. In fp8
+the scale group is R (one scale per token), or gcd(R, H) with last_hidden: root attribute hidden_scaling.group_size.
+
 Every array is a plain zarr array (any zarr client reads it). Row r of shard s is global row
 s * rows_per_shard + r; the last shard may hold fewer rows. Rows are exactly T tokens; padding
 tokens have doc_id 0, loss_mask 0 and all-zero hidden states (true zeros cost nothing compressed).
@@ -60,6 +65,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,8 +77,8 @@ if TYPE_CHECKING:  # store.py imports this module
     from .store import Store
 
 FORMAT_NAME = "dflash-cache"
-FORMAT_VERSION = 3  # the newest this code reads and writes; bf16 caches are still written as version 1, quantised
-# ones as 2; 3 = a cache that holds the target's last hidden state (last_hidden)
+FORMAT_VERSION = 4  # the newest this code reads and writes; bf16 caches are still written as version 1, quantised
+# ones as 2; 3 = a cache that holds the target's last hidden state (last_hidden); 4 = features on a basis (basis.py)
 COMMIT_KEY = "dflash_commit"
 SHARDS = "shards"
 
@@ -143,6 +149,8 @@ class CacheSpec:
     hidden_chunk_tokens: int = 0  # 0 = choose (pick_chunk_tokens)
     info: dict[str, Any] = field(default_factory=dict)
     last_hidden: bool = False  # layer_ids[-1] is the target's last layer, after its final norm (module docstring)
+    # the features on their own basis (basis.py): the root's "basis" record ({} = none: K*H features as they are)
+    basis: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         self.layer_ids = [int(i) for i in self.layer_ids]
@@ -162,6 +170,17 @@ class CacheSpec:
             raise CacheError(f"cache spec: hidden_dtype {self.hidden_dtype}: {why}")
         if self.codec not in CODECS:
             raise CacheError(f"cache spec: codec {self.codec!r} is not one of {list(CODECS)}")
+        if self.basis:
+            R = self.basis.get("rank")
+            width = len(self.context_layer_ids) * self.hidden_size
+            if not (isinstance(R, int) and not isinstance(R, bool) and 1 <= R <= width):
+                raise CacheError(f"cache spec: basis.rank {R!r} must be an integer in [1, {width}] (K*H)")
+            if self.basis.get("width") != width:
+                raise CacheError(f"cache spec: basis.width {self.basis.get('width')!r} is not the context features' "
+                                 f"width {width} (K*H)")
+            if self.hidden_dtype not in (quant.BF16, quant.FP8):
+                raise CacheError(f"cache spec: features on a basis are stored as bfloat16 or float8_e4m3fn, not "
+                                 f"{self.hidden_dtype}")
         if not self.hidden_chunk_tokens:
             self.hidden_chunk_tokens = pick_chunk_tokens(self.seq_len, self.hidden_bytes_per_token)
         if self.seq_len % self.hidden_chunk_tokens:
@@ -179,7 +198,27 @@ class CacheSpec:
 
     @property
     def format_version(self) -> int:
-        return 3 if self.last_hidden else 2 if self.quantized else 1
+        return 4 if self.basis else 3 if self.last_hidden else 2 if self.quantized else 1
+
+    @property
+    def basis_rank(self) -> int:
+        """R, the width of the stored context features on their own basis (0: none, K*H features as they are)."""
+        return int(self.basis.get("rank", 0)) if self.basis else 0
+
+    @property
+    def feature_width(self) -> int:
+        """Channels of a stored row as values (before fp4 packing): K*H, or R (+ H of a last hidden state)."""
+        if not self.basis_rank:
+            return self.row_width
+        return self.basis_rank + (self.hidden_size if self.last_hidden else 0)
+
+    @property
+    def scale_group(self) -> int:
+        """Channels per scale of an fp8 cache: H (one per layer), or on a basis all R of a token (one scale), with a
+        last hidden state gcd(R, H) (no scale spans z and the last hidden state)."""
+        if not self.basis_rank:
+            return self.hidden_size
+        return math.gcd(self.basis_rank, self.hidden_size) if self.last_hidden else self.basis_rank
 
     @property
     def context_layer_ids(self) -> list[int]:
@@ -189,12 +228,12 @@ class CacheSpec:
     @property
     def stored_width(self) -> int:
         """Last dimension of the stored `hidden` array (K*H, or K*H/2 for fp4)."""
-        return quant.stored_width(self.hidden_dtype, self.row_width)
+        return quant.stored_width(self.hidden_dtype, self.feature_width)
 
     @property
     def scale_width(self) -> int:
         """Last dimension of `hidden_scales` (0: the cache has none)."""
-        return quant.scale_width(self.hidden_dtype, len(self.layer_ids), self.row_width)
+        return quant.scale_width(self.hidden_dtype, self.feature_width // self.scale_group, self.feature_width)
 
     @property
     def hidden_storage(self) -> tuple[str, str | None]:
@@ -227,9 +266,11 @@ class CacheSpec:
         info = d.pop("info")
         if not d["last_hidden"]:  # caches without it keep the attributes they always had
             del d["last_hidden"]
+        if not d["basis"]:
+            del d["basis"]
         meta.update(d)
         if self.quantized:
-            meta["hidden_scaling"] = quant.scaling_metadata(self.hidden_dtype, self.hidden_size)
+            meta["hidden_scaling"] = quant.scaling_metadata(self.hidden_dtype, self.scale_group)
         meta["num_layers"] = len(self.layer_ids)
         meta["num_shards"] = self.num_shards
         meta["info"] = info
@@ -259,8 +300,12 @@ class CacheSpec:
         last = meta.get("last_hidden", False)
         if not isinstance(last, bool):
             raise CacheCorruptError(f"root metadata field 'last_hidden' is {last!r}, not true or false")
+        basis = meta.get("basis", {})
+        if not isinstance(basis, dict):
+            raise CacheCorruptError(f"root metadata field 'basis' is {basis!r}, not an object")
         try:
-            return cls(**{k: field_of(k, kind) for k, kind in kinds.items()}, info=dict(info or {}), last_hidden=last)
+            return cls(**{k: field_of(k, kind) for k, kind in kinds.items()}, info=dict(info or {}), last_hidden=last,
+                       basis=dict(basis))
         except CacheCorruptError:
             raise
         except CacheError as e:  # a value no writer writes (e.g. hidden_chunk_tokens 0 or not dividing seq_len)

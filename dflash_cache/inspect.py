@@ -83,8 +83,21 @@ def info(path: str) -> dict[str, Any]:
         "bytes_per_real_token": on_disk / real if real else None,
         "hidden_dtype": spec.hidden_dtype,
         "raw_hidden_bytes_per_token": spec.hidden_bytes_per_token,  # hidden + scales, before compression
+        "basis": basis_info(spec),
         "metadata": cache.metadata,
     }
+
+
+def basis_info(spec: CacheSpec) -> dict[str, Any] | None:
+    """What `cache info` says of a cache on a basis (basis.py): R, the features' width, the energy the basis keeps
+    (overall and per captured context layer, over its fit tokens) and how it was fitted; None without one."""
+    b = spec.basis
+    if not b:
+        return None
+    return {"rank": spec.basis_rank, "width": b.get("width"), "digest": b.get("digest"),
+            "energy": b.get("energy"), "energy_per_layer": dict(zip(map(str, spec.context_layer_ids),
+                                                                    b.get("energy_per_layer") or [])),
+            "fit_tokens": b.get("fit_tokens"), "fit_rows": b.get("fit_rows"), "source": b.get("source")}
 
 
 @dataclass
@@ -299,6 +312,13 @@ def verify(path: str, threads: int = 4, progress: Callable[[int], None] | None =
         rep.keep_commits = True
         return rep
     rep.shards_planned = spec.num_shards
+    if spec.basis:  # P against the digest in the root: a damaged basis makes every shard unreadable as features
+        from . import basis
+
+        try:
+            basis.read(store, spec.basis)
+        except CacheCorruptError as e:
+            rep.unrepairable.append(f"{basis.BASIS}: {e}; nothing to restore it from: extract the cache again")
     commits = _shard_groups(store, spec, rep)
     cache = Cache(path, allow_incomplete=True, metadata=attrs)
     if on_start:

@@ -4,6 +4,7 @@ A cache directory holds what the writer makes (format.py's layout):
 
     zarr.json, shards/zarr.json, shards/NNNNNN/zarr.json,
     shards/NNNNNN/<array>/zarr.json and shards/NNNNNN/<array>/c/<chunk coordinates>
+    basis/ (a cache whose features are on their own basis: the array P, basis.py)
         (<array>: input_ids, loss_mask, doc_ids, hidden, and hidden_scales in a quantised cache)
     temp files of interrupted writes (*.partial, store.PARTIAL) and the lock (.dflash.lock*, lock.py)
 
@@ -23,6 +24,8 @@ array's c/ counts as dflash's.
 from __future__ import annotations
 
 from .format import ARRAYS, SCALES, SHARDS, SMALL_ARRAYS, CacheSpec, shard_arrays
+
+BASIS = "basis"  # the root array of a cache on a basis (basis.py)
 from .lock import LOCK_NAME
 from .store import PARTIAL, Store
 
@@ -42,7 +45,8 @@ def judge(parts: list[str], spec: CacheSpec | None, is_dir: bool) -> str:
     if not is_dir and (name.endswith(PARTIAL) or (name == "zarr.json" and depth <= 4)):
         return OWN  # temp files; zarr.json of the root, shards/, shards/NNNNNN/, shards/NNNNNN/<array>/
     if depth == 1:
-        return OWN if name.startswith(LOCK_NAME) else MIXED if name == SHARDS and is_dir else FOREIGN
+        return (OWN if name.startswith(LOCK_NAME) or (name == BASIS and is_dir) else MIXED if name == SHARDS and is_dir
+                else FOREIGN)
     if not is_dir and depth < 6:
         return FOREIGN  # only chunks are files below the shards folder, apart from zarr.json
     if depth == 2:  # a shard

@@ -8,6 +8,9 @@
     for batch in cache.batches(4, rank=r, world=w, epoch=e, seed=0):
         ...                      # the same dict with a leading [4] dim, plus "row_index", "row_valid"
 
+A cache on a basis (format.py, basis.py) holds z = P x: its rows' "hidden" is [T, R] (+ H with a last hidden state),
+and cache.basis() is P.
+
 Quantised caches (hidden_dtype float8_e4m3fn / fp4_e2m1, see format.py): random access (cache[i],
 read_rows) dequantises to bfloat16 on the CPU, so such a reader sees what it sees in a bf16 cache
 (read_rows(..., raw=True) gives the stored form). The batch iterator moves the stored bytes only: it
@@ -175,6 +178,22 @@ class Cache:
     @property
     def hidden_size(self) -> int:
         return self.spec.hidden_size
+
+    @property
+    def basis_rank(self) -> int:
+        """R when the context features are stored on their own basis (rows hold z = P x: basis.py), else 0."""
+        return self.spec.basis_rank
+
+    def basis(self) -> np.ndarray | None:
+        """P (float32 [R, K*H]) of a cache on a basis, read from its root and checked against its digest; None
+        for a cache of plain features."""
+        if not self.spec.basis:
+            return None
+        if getattr(self, "_basis", None) is None:
+            from . import basis
+
+            self._basis = basis.read(self.store, self.spec.basis, self.path)
+        return self._basis
 
     @property
     def hidden_dtype(self) -> str:

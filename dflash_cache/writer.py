@@ -87,7 +87,7 @@ def array_json(shape: tuple[int, ...], chunks: tuple[int, ...], dtype: str, code
 VOLATILE_PREFIXES = ("info.run.",)
 # Fields a user sets, checked before the ones derived from them (num_shards, hidden_chunk_tokens when
 # chosen, num_layers), so that a mismatch names the setting that actually changed.
-PRIMARY_FIELDS = ("format", "hidden_dtype", "format_version", "last_hidden", "seq_len", "hidden_size", "layer_ids",
+PRIMARY_FIELDS = ("format", "hidden_dtype", "basis.rank", "basis.digest", "format_version", "last_hidden", "seq_len", "hidden_size", "layer_ids",
                   "num_rows", "rows_per_shard", "codec", "hidden_chunk_tokens")
 
 
@@ -138,11 +138,13 @@ class CacheWriter:
     submit_shard waits while this many are pending. Default 2 * max_inflight_shards.
     overwrite: replace an existing cache at `path`, removing only what dflash wrote there (layout.remove_own);
     `kept` then lists the entries that stayed (a user's files and folders).
+    basis: P (float32 [R, K*H]) of a spec with a basis record (basis.py): written into a new cache's root before its
+    zarr.json; an existing cache keeps its own (its record must equal the spec's, digest included).
     """
 
     def __init__(self, path: str, spec: CacheSpec, *, overwrite: bool = False, threads: int = 8,
                  max_inflight_shards: int = 2, create: bool = True, writer_id: str | None = None,
-                 max_queued_shards: int | None = None):
+                 max_queued_shards: int | None = None, basis: np.ndarray | None = None):
         self.store = Store(path)
         self.spec = spec
         self.path = str(path)
@@ -168,6 +170,13 @@ class CacheWriter:
             if root_record(self.store)[1] == "absent":  # its creator died before writing it, or an older dflash
                 self.store.put(f"{SHARDS}/zarr.json", root_record_json(existing))  # (the root matches this run's)
         elif create:
+            if spec.basis:  # P first: a root that exists always has its basis
+                from . import basis as basis_mod
+
+                if basis is None or basis_mod.digest(basis) != spec.basis.get("digest"):
+                    raise CacheError(f"{self.path}: the spec's basis record needs its basis P (digest "
+                                     f"{spec.basis.get('digest')!r})")
+                basis_mod.write(self.store, basis)
             self.store.put("zarr.json", group_json(meta))
             self.store.put(f"{SHARDS}/zarr.json", root_record_json(meta))
         else:
@@ -243,7 +252,7 @@ class CacheWriter:
         elif hidden.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise CacheError(f"hidden of a {self.spec.hidden_dtype} cache without hidden_scales must be a float tensor "
                              f"to quantise, got {hidden.dtype}")
-        return quant.quantize(hidden, self.spec.hidden_dtype, len(self.spec.layer_ids))
+        return quant.quantize(hidden, self.spec.hidden_dtype, self.spec.feature_width // self.spec.scale_group)
 
     def _put_chunk(self, key: str, arr: np.ndarray, codec: Codec) -> tuple[int, int]:
         c = crc32(arr)

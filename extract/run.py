@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 import dflash_cache
+import dflash_cache.basis
 from dflash.core import progress
 from dflash.core.chat import load_chat_dataset
 from dflash.core.config import check
@@ -44,6 +45,7 @@ from dflash_cache import CacheSpec, CacheWriter, quant
 from dflash_cache.store import Store
 from dflash_cache.writer import existing_root
 
+from . import basis_fit
 from .assign import assign_shards, shard_real_tokens, writer_threads_per_rank
 from .data import ChatTokenizer, data_fingerprint, tokenizer_fingerprint
 from .pack import materialize, pack, pack_stats
@@ -70,6 +72,10 @@ class ExtractConfig:
     # also the target's last hidden state (after its final norm): what `dflash train --arch dflash2` learns the target's
     # distribution from; H values more per token (dflash_cache/format.py), and the target's last layers run
     last_hidden: bool = False
+    # the context features stored on their own basis of this many directions (0: as they are); extract/basis_fit.py
+    basis_rank: int = 0
+    basis_from: str | None = None  # a cache whose basis this one is stored on (instead of fitting one)
+    basis_fit_tokens: int = dflash_cache.basis.FIT_TOKENS  # row tokens of the plan the basis is fitted on
     writer_threads: int | None = None  # None: this process's cores / extraction ranks on the node
     host_buffers: int = 3
     chat_template: str | None = None
@@ -99,6 +105,10 @@ class ExtractConfig:
         check(self.compile in ("auto", "on", "off"), "compile", f"must be auto, on or off, got {self.compile!r}")
         check(self.tokenize_workers >= 0, "tokenize_workers", f"must be >= 0 (0: every core), got {self.tokenize_workers}")
         check(self.host_buffers >= 1, "host_buffers", f"must be >= 1, got {self.host_buffers}")
+        check(self.basis_rank >= 0, "basis_rank", f"must be >= 0 (0: the features as they are), got {self.basis_rank}")
+        check(self.basis_fit_tokens >= 1, "basis_fit_tokens", f"must be >= 1, got {self.basis_fit_tokens}")
+        check(not ((self.basis_rank or self.basis_from) and self.hidden_dtype == "fp4"), "hidden_dtype",
+              "fp4 does not store features on a basis (--basis-rank/--basis-from): use fp8 or bf16")
 
 
 def plan_sizes(cfg: ExtractConfig, row_bytes: int, cpu: bool = False) -> tuple[int, int]:
@@ -190,12 +200,29 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
         info["weights"] = weights
     if dist.is_main:
         _same_inputs_moved(cfg, info)
+    target = None
+    context_width = (len(layer_ids) - cfg.last_hidden) * H
+    basis_p, basis_rec = None, {}
+    if dist.is_main and (cfg.basis_rank or cfg.basis_from or not cfg.overwrite):  # extract/basis_fit.py
+        def fit():
+            nonlocal target
+            target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
+            print0(f"extract: fitting a basis of rank {cfg.basis_rank} for the {context_width} context features")
+            return basis_fit.fit_basis(target, plan, data.docs, cfg.seq_len, pad_id, batch_rows, dev,
+                                       width=context_width, stored_layers=len(layer_ids), hidden_size=H,
+                                       rank=cfg.basis_rank, fit_tokens=cfg.basis_fit_tokens)
+
+        basis_p, basis_rec = basis_fit.resolve_on_main(
+            cfg, None if cfg.overwrite else existing_root(Store(cfg.out), cfg.out), width=context_width,
+            hidden_size=H, layer_ids=layer_ids[:len(layer_ids) - cfg.last_hidden],
+            config_hash=info["target"].get("config_hash"), fit=fit)
     spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
                      rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info,
-                     last_hidden=cfg.last_hidden)
+                     last_hidden=cfg.last_hidden, basis=basis_rec)
     threads = cfg.writer_threads or writer_threads_per_rank()
     if dist.is_main:
-        writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=threads, writer_id=f"rank{dist.rank}")
+        writer = CacheWriter(cfg.out, spec, overwrite=cfg.overwrite, threads=threads, writer_id=f"rank{dist.rank}",
+                             basis=basis_p)
         if writer.kept:  # --overwrite removed the old cache only: a user's files in the directory stay
             print0(f"extract: --overwrite kept {len(writer.kept)} entries dflash did not write: {', '.join(writer.kept)}")
     barrier()
@@ -204,9 +231,10 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
         if recorded is not None:  # rank 0 hashed the target and checked it; the other ranks adopt its record
             info["weights"] = recorded
         _same_inputs_moved(cfg, info, say=lambda _: None)  # as rank 0 did (it said so)
+        basis_p, basis_rec = basis_fit.resolve_on_rank(cfg.out)  # the P rank 0 fitted or kept, from the root
         spec = CacheSpec(seq_len=cfg.seq_len, hidden_size=H, layer_ids=layer_ids, num_rows=len(plan),
                          rows_per_shard=rows_per_shard, codec=cfg.codec, hidden_dtype=hidden_dtype, info=info,
-                         last_hidden=cfg.last_hidden)
+                         last_hidden=cfg.last_hidden, basis=basis_rec)
         writer = CacheWriter(cfg.out, spec, threads=threads, writer_id=f"rank{dist.rank}")
     shard_tokens = shard_real_tokens(plan, lengths, rows_per_shard)
     mine = assign_shards(shard_tokens, dist.world)[dist.rank]
@@ -228,14 +256,14 @@ def _run_extract(cfg: ExtractConfig, dist) -> dict[str, Any]:
     done_tokens, load_s, tail_s = 0, 0.0, 0.0
     summary_compile: dict[str, Any] = {"compiled": False, "why": f"--compile {cfg.compile}" if todo else "nothing to do"}
     if todo:
-        target = PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
+        target = target or PackedTarget(cfg.target, layer_ids, device=dev, dtype=dtype, attn=attn)
         load_s = time.perf_counter() - t0
         if cfg.compile == "on" or (cfg.compile == "auto" and dev.type == "cuda"):
             target, summary_compile = _compiled_target(target, spec, plan, data.docs, pad_id, todo[0], batch_rows, dev)
         t0 = time.perf_counter()  # tokens/s counts forwards + committed writes, not loading the model
         try:
             done_tokens, last_batch_t = _extract_shards(cfg, spec, plan, data.docs, pad_id, todo, target, writer,
-                                                        batch_rows, dev, show)
+                                                        batch_rows, dev, show, basis_p)
         except BaseException:
             writer.abort()  # drop queued shards (they would only fail again); committed ones stay
             raise
@@ -319,10 +347,14 @@ def _same_inputs_moved(cfg: ExtractConfig, info: dict, say=print0) -> None:
                f"resuming {cfg.out}, which keeps the paths it recorded")
 
 
-def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show) -> tuple[int, float]:
+def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_rows, dev, show,
+                    basis_p=None) -> tuple[int, float]:
     """Runs the forwards of `todo`'s shards and hands each shard to the writer; returns the real tokens done and
-    the time (perf_counter) at which the last batch's hidden states were on the host."""
+    the time (perf_counter) at which the last batch's hidden states were on the host. basis_p: the cache's basis P
+    (the context features are projected onto it on the device, extract/basis_fit.py)."""
     T, W = spec.seq_len, spec.row_width
+    context_width = len(spec.context_layer_ids) * spec.hidden_size
+    basis_t = torch.from_numpy(basis_p).to(dev) if basis_p is not None else None
     cuda = dev.type == "cuda"
     free: queue.Queue[int] = queue.Queue()
     # what is stored per token: hidden (bf16, fp8 bytes or packed fp4) and, quantised, its scales
@@ -388,10 +420,15 @@ def _extract_shards(cfg, spec, plan, docs, pad_id, todo, target, writer, batch_r
                 target.run(ids, pos, doc, out, doc_host=doc_host)
                 if nbatch == 0:  # every kernel this job runs is now built (fixed shapes)
                     _release_compile_workers()
-                src = [out[: j - i]]
+                feats = out[: j - i]
+                if basis_t is not None:  # z = P x on the device (float32), the last hidden state kept as it is
+                    feats = dflash_cache.basis.project(feats, basis_t, context_width)
+                    feats = feats if spec.quantized else feats.to(torch.bfloat16)
+                src = [feats]
                 if spec.quantized:  # on the device, before the copy: the host gets bytes + scales
                     src = [qb[: j - i] for qb in qbufs[b]]
-                    for buf, q in zip(src, quant.quantize(out[: j - i], spec.hidden_dtype, len(spec.layer_ids))):
+                    groups = spec.feature_width // spec.scale_group
+                    for buf, q in zip(src, quant.quantize(feats, spec.hidden_dtype, groups)):
                         buf.copy_(q)
                 if cuda:
                     ready = torch.cuda.current_stream(dev).record_event()

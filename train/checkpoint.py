@@ -61,6 +61,8 @@ def servable_config(cfg: DrafterConfig, dtype: str = "bfloat16") -> dict[str, An
     if cfg.sliding_window is not None:  # how a sliding layer's block sees itself: bidirectionally (train/blocks.py)
         out["sliding_window_non_causal"] = cfg.sliding_window_non_causal
         out["dflash_config"]["sliding_window_non_causal"] = cfg.sliding_window_non_causal
+    if cfg.basis_rank:  # a training checkpoint on a cache's basis (final/ is composed: basis_rank 0, fc on K*H)
+        out["dflash_config"]["basis_rank"] = cfg.basis_rank
     if cfg.arch == "dflash2":  # speculators' DFlash2 fields, top level (as its config has them) and in dflash_config
         extra = {k: getattr(cfg, k) for k in DFLASH2_FIELDS}
         out.update(architectures=["DFlash2DraftModel"], **extra)
@@ -93,7 +95,7 @@ def config_from_servable(d: dict[str, Any]) -> DrafterConfig:
         sliding_window=d.get("sliding_window") if d.get("use_sliding_window", d.get("sliding_window")) else None,
         layer_types=list(d.get("layer_types") or []), attention_bias=d.get("attention_bias", False),
         sliding_window_non_causal=dc.get("sliding_window_non_causal", d.get("sliding_window_non_causal", True)),
-        arch=arch, **dflash2,
+        arch=arch, basis_rank=int(dc.get("basis_rank", 0) or 0), **dflash2,
     )
 
 
@@ -103,15 +105,35 @@ def drafter_state_dict(model: DFlashDrafter, dtype: torch.dtype | None = torch.b
             for k, v in sd.items()}
 
 
-def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfloat16) -> None:
-    """Write config.json + model.safetensors (HF save_pretrained layout) into path."""
+def composed(model: DFlashDrafter, basis, dtype: torch.dtype | None) -> tuple[DrafterConfig, dict[str, torch.Tensor]]:
+    """(config, weights) of a drafter trained on a cache's basis P [R, K*H] (its fc' [H, R]), as the drafter of the
+    usual layout: fc = fc' P [H, K*H] (computed in float64, then cast), basis_rank 0. Exact: the drafter only ever
+    saw features P x, and fc' (P x) = (fc' P) x."""
+    import dataclasses
+
+    p = torch.as_tensor(basis, dtype=torch.float64)
+    cfg = model.cfg
+    if tuple(p.shape) != (cfg.basis_rank, cfg.num_context_layers * cfg.hidden_size):
+        raise DrafterError(f"basis of shape {list(p.shape)} does not compose with a drafter of basis_rank "
+                           f"{cfg.basis_rank} over {cfg.num_context_layers} x {cfg.hidden_size} features")
+    sd = drafter_state_dict(model, None)
+    fc = sd["fc.weight"]
+    sd["fc.weight"] = (fc.double() @ p).to(fc.dtype)
+    sd = {k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in sd.items()}
+    return dataclasses.replace(cfg, basis_rank=0), sd
+
+
+def save_drafter(model: DFlashDrafter, path: str, dtype: torch.dtype = torch.bfloat16, basis=None) -> None:
+    """Write config.json + model.safetensors (HF save_pretrained layout) into path. basis: the P of the cache a
+    drafter with basis_rank R was trained on; the drafter is written composed (`composed`), as engines read it."""
     from safetensors.torch import save_file
 
     os.makedirs(path, exist_ok=True)
     name = str(dtype).replace("torch.", "")
+    cfg, sd = composed(model, basis, dtype) if basis is not None else (model.cfg, drafter_state_dict(model, dtype))
     with open(os.path.join(path, CONFIG_NAME), "w") as f:
-        json.dump(servable_config(model.cfg, name), f, indent=2)
-    save_file(drafter_state_dict(model, dtype), os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
+        json.dump(servable_config(cfg, name), f, indent=2)
+    save_file(sd, os.path.join(path, WEIGHTS_NAME), metadata={"format": "pt"})
     shared_mode(os.path.join(path, WEIGHTS_NAME))  # save_file makes it 0600: a server of another user must read it
 
 

@@ -159,7 +159,7 @@ class DFlash2Drafter(DFlashDrafter):
     def target_hidden(self, hidden: torch.Tensor, hidden_scales: torch.Tensor | None = None) -> torch.Tensor:
         """The target's last hidden state [R, T, H] (after its final norm): the last H channels of a cache row."""
         c = self.cfg
-        width = (c.num_context_layers + 1) * c.hidden_size
+        width = c.context_width + c.hidden_size
         if hidden_scales is None and hidden.shape[-1] != width:
             raise DrafterError(f"a DFlash2 drafter trains on rows of {width} channels (the {c.num_context_layers} "
                                f"context layers and the target's last hidden state), got {hidden.shape[-1]}")

@@ -169,6 +169,10 @@ def export(final: str, fmt: str, out: str, target: str | None = None, chat_templ
     if fmt not in FORMATS:
         raise ExportError(f"--format {fmt!r}: choose one of {', '.join(FORMATS)}")
     cfg = read_drafter_config(final)
+    if cfg.basis_rank:  # a training checkpoint on a cache's basis: its fc reads z = P x, which no engine has
+        raise ExportError(f"{final}: its fc reads features on a cache's basis (dflash_config.basis_rank "
+                          f"{cfg.basis_rank} in its {CONFIG_NAME}): export the run's final/, written with the composed "
+                          "fc = fc' P that reads the target's layers as they are")
     weights = os.path.join(final, WEIGHTS_NAME)
     if not os.path.exists(weights):
         raise ExportError(f"{final} is not a complete drafter checkpoint: {WEIGHTS_NAME} is missing")

@@ -24,6 +24,7 @@ target forward that produced the context.
 
 Shapes (R rows, T tokens, K layers, H hidden, N anchors, B block, V vocab):
     hidden [R, T, K*H] bf16    input_ids/loss_mask/doc_ids [R, T]    anchor_scores [R, T] in [0, 1)
+    (or, from a cache on a basis of rank R', z = P x [R, T, R']: fc is then fc' [H, R'], and final/ holds fc' P)
     (or, from an fp8/fp4 cache, hidden as stored + hidden_scales: dequantised in fuse_context, in the step)
     -> block tokens [R, N*B], logits [R, N, B-1, V], loss scalar, metrics (all tensors, no host sync)
 
@@ -109,6 +110,9 @@ class DrafterConfig:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # R > 0: the drafter reads context features stored on a cache's basis (z = P x, dflash_cache/basis.py): fc takes R
+    # inputs. Only training checkpoints hold such a drafter; final/ holds fc' P (K*H inputs) and basis_rank 0
+    basis_rank: int = 0
 
     def __post_init__(self):
         if not self.layer_types:
@@ -129,6 +133,7 @@ class DrafterConfig:
             (self.sliding_window_non_causal, "sliding_window_non_causal",
              "must be true (a sliding layer's block is bidirectional, as speculators trains DFlash2)"),
             (self.arch in ("dflash", "dflash2"), "arch", "must be dflash or dflash2"),
+            (self.basis_rank >= 0, "basis_rank", "must be >= 0 (0: fc reads the K*H features as they are)"),
         ]
         if self.arch == "dflash2":
             checks += [
@@ -146,6 +151,11 @@ class DrafterConfig:
     @property
     def num_context_layers(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def context_width(self) -> int:
+        """fc's inputs: the K*H features, or R of them on a cache's basis (basis_rank)."""
+        return self.basis_rank or self.num_context_layers * self.hidden_size
 
     @classmethod
     def from_target(cls, hf_config, num_layers: int = 5, layer_ids: list[int] | None = None, block_size: int = 16,
@@ -308,7 +318,7 @@ class DFlashDrafter(nn.Module):
         self.attn_impl = attn_impl
         self.layers = nn.ModuleList(self.layer_class(cfg, t == "sliding_attention") for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.fc = nn.Linear(cfg.num_context_layers * cfg.hidden_size, cfg.hidden_size, bias=False)
+        self.fc = nn.Linear(cfg.context_width, cfg.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
         self.rope_scale = rope_attention_factor(cfg)  # YaRN's cos/sin factor (1.0 otherwise)
@@ -356,8 +366,8 @@ class DFlashDrafter(nn.Module):
             from dflash_cache.quant import dequantize  # lazy: the cache package only for fp8/fp4
 
             hidden = dequantize(hidden, hidden_scales, self.fc.weight.dtype)
-        width = self.cfg.num_context_layers * self.cfg.hidden_size  # a cache with the target's last hidden state
-        return self.hidden_norm(self.fc(hidden[..., :width].to(self.fc.weight.dtype)))  # holds it after the K layers
+        width = self.cfg.context_width  # a cache with the target's last hidden state holds it after the features
+        return self.hidden_norm(self.fc(hidden[..., :width].to(self.fc.weight.dtype)))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.embed_weight)

@@ -503,13 +503,14 @@ def load_checkpoint(ck: str, model: DFlashDrafter, opt: torch.optim.Optimizer, d
         return json.load(f)
 
 
-def save_final(out: str, model: DFlashDrafter) -> str:
-    """RUN/final: the servable drafter in bf16 (written as final.tmp, then renamed)."""
+def save_final(out: str, model: DFlashDrafter, basis=None) -> str:
+    """RUN/final: the servable drafter in bf16 (written as final.tmp, then renamed); trained on a cache's basis P
+    (`basis`), with the composed fc = fc' P (checkpoint.composed)."""
     final = os.path.join(out, "final")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with writing(os.path.join(tmp, "model.safetensors"), latest_checkpoint(out), cleanup=tmp):
-        save_drafter(model, tmp, dtype=torch.bfloat16)
+        save_drafter(model, tmp, dtype=torch.bfloat16, basis=basis)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     return final

@@ -140,8 +140,8 @@ class Trainer:
             self.dcfg = DrafterConfig.from_target(hf, num_layers=cfg.drafter_layers, layer_ids=cache.context_layer_ids,
                                                   block_size=cfg.block_size, mask_token_id=mask_id,
                                                   sliding_window=cfg.draft_window,
-                                                  layer_types=draft_layer_types(cfg) or [], arch=cfg.arch, **dflash2,
-                                                  **(cfg.drafter_shape or {}))
+                                                  layer_types=draft_layer_types(cfg) or [], arch=cfg.arch,
+                                                  basis_rank=cache.basis_rank, **dflash2, **(cfg.drafter_shape or {}))
         except DrafterError as e:  # a setting the target's shape does not allow (e.g. a group not dividing H)
             raise ConfigError(f"--arch {cfg.arch}: {e}") from None
         T = cache.seq_len
@@ -531,7 +531,7 @@ class Trainer:
         barrier()
 
     def save_final(self) -> str:
-        return save_final(self.cfg.out, self.model)
+        return save_final(self.cfg.out, self.model, basis=self.cache.basis())  # composed on a cache's basis
 
 
 def started_before_windows(cfg: TrainConfig) -> bool:

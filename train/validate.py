@@ -57,6 +57,11 @@ class Validator:
             raise TrainError(f"--val-cache {path}: layers {list(c.context_layer_ids)}, but --cache has "
                              f"{list(train_cache.context_layer_ids)}: extract both with the same "
                              "--num-context-layers/--layers")
+        mine, theirs = (x.spec.basis.get("digest") if x.spec.basis else None for x in (c, train_cache))
+        if mine != theirs:  # a drafter on one basis reads features on that basis only (dflash_cache/basis.py)
+            raise TrainError(f"--val-cache {path}: field 'basis.digest' is {mine!r}, but --cache has {theirs!r}: its "
+                             "features are on another basis; extract it with `dflash extract ... --basis-from "
+                             f"{getattr(train_cache, 'path', 'CACHE')}`")
         if len(c) == 0:
             raise TrainError(f"--val-cache {path}: has no rows")
         self.path = path
