@@ -132,7 +132,7 @@ HUGE = "99999999999999999999"  # beyond int64: was an OverflowError, a TypeError
 NUMBERS: dict[str, dict[str, tuple]] = {
     "extract": {"--max-samples": (1, INF), "--seq-len": (16, INF), "--num-context-layers": (1, INF),
                 "--rows-per-shard": (0, INF), "--batch-rows": (0, INF), "--writer-threads": (1, INF),
-                "--tokenize-workers": (0, INF)},
+                "--tokenize-workers": (0, INF), "--basis-rank": (0, INF), "--basis-fit-tokens": (1, INF)},
     "train": {"--max-steps": (1, INF), "--epochs": (0.0, INF, "open"), "--drafter-layers": (1, 256),
               "--draft-window": (1, 2**31 - 1), "--block-size": (2, 4096), "--num-anchors": (1, INF),
               "--gamma": (0.0, INF, "open"), "--batch-rows": (1, INF), "--grad-accum": (1, INF), "--lr": (0.0, INF, "open"),

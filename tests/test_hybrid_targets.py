@@ -231,6 +231,17 @@ def test_extract_train_export_each_family(work, family_targets, hf_cli, family):
     res = hf_cli("export", run / "final", "--format", "zlab", "--out", out, "--check")
     assert res.exit_code == 0, res.output
     assert "read" in res.output and "as trained" in res.output
+    # what the engine's verify must do for this target: in the export's README and config, and in `check`
+    kinds = {"gpt_oss": {"sliding_attention": 3, "full_attention": 3}}.get(
+        family, {"linear_attention": 5, "full_attention": 1})
+    with open(out / "config.json") as f:
+        assert json.load(f)["dflash_trained"]["target_layer_kinds"] == kinds
+    readme = (out / "README.md").read_text()
+    want = "within their window" if family == "gpt_oss" else "recurrent and convolution state back"
+    assert "## The target's layers" in readme and want in readme
+    for path in (out, run / "final"):
+        res = hf_cli("check", path)
+        assert res.exit_code == 0 and want in res.output, res.output
 
 
 def test_gpt_oss_drafter_rope_is_the_targets_yarn():
@@ -292,3 +303,29 @@ def test_presets_shape_the_published_drafters(preset, config, params):
         with torch.device("meta"):
             n = sum(p.numel() for p in DFlashDrafter(d).parameters())
         assert params[0] < n < params[1], n
+
+
+def test_qwen3_next_layers_run_their_own_forward_per_conversation(work):
+    """Qwen3-Next (Qwen3-Coder-Next's layout: fused q/k/v/z projections, experts) has linear-attention layers of
+    another form: each runs its own forward once per conversation, exact in float32."""
+    import transformers as tf
+
+    from tests.tiny import make_tiny_tokenizer
+
+    path = str(work / "qwen3_next")
+    tok = make_tiny_tokenizer()
+    cfg = tf.Qwen3NextConfig(vocab_size=len(tok) + 16, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                             linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, num_experts=4,
+                             num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             layer_types=["linear_attention"] * 3 + ["full_attention"])
+    torch.manual_seed(3)
+    tf.Qwen3NextForCausalLM(cfg).float().save_pretrained(path)
+    tok.save_pretrained(path)
+    docs, plan, arrays = packed_rows()
+    target = PackedTarget(path, [0, 1, 2, 3], dtype=torch.float32)
+    assert target.linear_layers == 3
+    out = run_packed(target, arrays)
+    ref = reference_model(path, "qwen3_next")
+    errs = errors_by_position(out, arrays, plan, docs, ref, [0, 1, 2, 3])
+    assert max(errs.values()) < 1e-5 and any(j > 0 for _, j in errs)

@@ -33,6 +33,7 @@ from dflash.train.checkpoint import CONFIG_NAME, WEIGHTS_NAME, config_from_serva
 from dflash.train.drafter_fields import field_problem
 from dflash.train.engines import DFLASH2_SIZES, ENGINES, SLIDING, Reading, read
 from dflash.train.model import DrafterConfig, DrafterError
+from dflash.train.target_record import recorded_kinds, serving_note
 
 
 class ContractError(DrafterError):
@@ -298,6 +299,9 @@ def format_table(v: Verdict) -> str:
             notes.append(f"{', '.join(dflash_only)} serve DFlash only (a DFlash2 drafter is read as DFlash, its "
                          "convolutions and selector unused); speculators' DFlash2DraftModel serves it from "
                          "`dflash export --format speculators`")
+    target_note = serving_note(recorded_kinds(v.path))
+    if target_note:
+        notes.append(target_note)
     lines += [f"  note: {n}" for n in notes]
     return "\n".join(lines)
 

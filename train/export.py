@@ -42,31 +42,12 @@ from dflash.train.contract import Trained, run_drafter, shape_misreads, weight_s
 from dflash.train.engines import SLIDING
 from dflash.train.export_dir import ExportError, export_dir, own_entry
 from dflash.train.model import DrafterConfig
+from dflash.train.target_record import KEY as KINDS_KEY, run_record, serving_note, target_layer_kinds
 
 FORMATS = ("zlab", "speculators")
 SPECULATORS_VERSION = "0.9.0"  # the speculators release whose format is written (and whose code the tests run)
 
 __all__ = ["FORMATS", "ExportError", "export", "readme", "speculators_config", "zlab_config"]
-
-
-def run_record(final: str) -> dict[str, Any]:
-    """What RUN/run.json and the cache it names record of the run final/ came from: target path, chat kwargs."""
-    out: dict[str, Any] = {}
-    try:
-        with open(os.path.join(os.path.dirname(os.path.abspath(final)), "run.json")) as f:
-            run = json.load(f)
-        cache = ((run.get("caches") or {}).get("cache") or {}).get("path")
-        with open(os.path.join(cache, "zarr.json")) as f:
-            info = (json.load(f).get("attributes") or {}).get("info") or {}
-    except (OSError, ValueError, TypeError, AttributeError):
-        return out
-    target = (info.get("target") or {}).get("name_or_path")
-    if target:
-        out["target"] = target
-    kwargs = info.get("chat_template_kwargs", (info.get("extraction") or {}).get("chat_template_kwargs"))
-    if isinstance(kwargs, dict):
-        out["chat_template_kwargs"] = kwargs
-    return out
 
 
 def zlab_config(cfg: DrafterConfig, trained: Trained, dtype: str) -> dict[str, Any]:
@@ -113,7 +94,7 @@ def speculators_config(cfg: DrafterConfig, trained: Trained, dtype: str, target:
     }
 
 
-def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None) -> str:
+def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None, kinds: dict | None = None) -> str:
     t = target or "TARGET"
     k = cfg.block_size - 1
     dflash2 = cfg.arch == "dflash2"
@@ -160,6 +141,9 @@ def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None) -
     if SLIDING in cfg.layer_types and not dflash2:
         body += ["", "Sliding-window layers are trained bidirectional within the block: SGLang makes them causal "
                  "(`dflash check` names it)."]
+    note = serving_note(kinds)
+    if note:
+        body += ["", "## The target's layers", "", note[0].upper() + note[1:] + "."]
     return "\n".join(head + body) + "\n"
 
 
@@ -202,10 +186,13 @@ def export(final: str, fmt: str, out: str, target: str | None = None, chat_templ
                                     target, target_cfg)
     else:
         config = zlab_config(cfg, trained, dtype)
+    kinds = target_layer_kinds(target)
+    if kinds:
+        config["dflash_trained"][KINDS_KEY] = kinds
     with export_dir(out, precheck=_check_out) as stage:
         atomic_json(os.path.join(stage, CONFIG_NAME), config)
         shutil.copyfile(weights, os.path.join(stage, WEIGHTS_NAME))
-        atomic_write(os.path.join(stage, "README.md"), readme(fmt, cfg, trained, target))
+        atomic_write(os.path.join(stage, "README.md"), readme(fmt, cfg, trained, target, kinds))
     return out
 
 
