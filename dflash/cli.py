@@ -37,7 +37,7 @@ from dflash.core.paths import (
     path_form,
     path_forms,
 )
-from dflash.recipes.demo import CPU_SIZES, DemoConfig, cpu_demo_time, run_demo
+from dflash.recipes.demo import CPU_SIZES, DemoConfig, cpu_demo_time
 from dflash_cache.lock import OutputLock
 
 
@@ -199,8 +199,7 @@ def cache_verify(path, threads, repair):
         help="Store the features on the basis of this cache (same target and layers) instead of fitting one: a "
              "--val-cache for a cache on a basis must be on the same one.")
 @option("--basis-fit-tokens", type=int,
-        help="Row tokens the basis is fitted on: the real tokens of ceil(N / T) rows spread evenly over the plan.",
-        default_text="65536")
+        help="Row tokens the basis is fitted on: the real tokens of ceil(N / T) rows spread evenly over the plan.")
 @option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.", default_text="the cores / ranks on the node")
 @option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
@@ -691,6 +690,8 @@ def demo(no_progress, **kw):
         from dflash.core.dist import parse_device
 
         parse_device(kw["device"])
+    from dflash.recipes.run_demo import run_demo  # the recipes load torch: only when the demo runs
+
     run_demo(DemoConfig(**kw, progress=not no_progress))
 
 

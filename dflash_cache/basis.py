@@ -130,17 +130,17 @@ def record(p: np.ndarray, fit_info: dict[str, Any]) -> dict[str, Any]:
             **fit_info}
 
 
-def array_json(p_shape: tuple[int, int]) -> bytes:
-    from .writer import array_json as make  # zarr's own metadata for the array
+def array_layout(p_shape: tuple[int, int]) -> tuple:
+    """The arguments of writer.array_json (zarr's own metadata) for the basis array of this shape."""
+    return tuple(p_shape), tuple(p_shape), "float32", _CODEC, {"dflash": "basis of the stored features"}, 4
 
-    return make(tuple(p_shape), tuple(p_shape), "float32", _CODEC, {"dflash": "basis of the stored features"}, 4)
 
-
-def write(store: Store, p: np.ndarray) -> None:
-    """Write P into the cache root (its chunk, then its zarr.json). Called before the root's zarr.json is."""
+def write(store: Store, p: np.ndarray, zarr_json: bytes) -> None:
+    """Write P into the cache root (its chunk, then its zarr.json: writer.array_json(*array_layout(shape))). Called
+    before the root's zarr.json is."""
     a = np.ascontiguousarray(p, dtype="<f4")
     store.put(chunk_key(BASIS, (0, 0)), Codec(_CODEC, 4).encode(a))
-    store.put(f"{BASIS}/zarr.json", array_json(a.shape))
+    store.put(f"{BASIS}/zarr.json", zarr_json)
 
 
 def read(store: Store, rec: dict[str, Any], where: str = "") -> np.ndarray:

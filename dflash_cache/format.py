@@ -67,14 +67,13 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import quant
 
-if TYPE_CHECKING:  # store.py imports this module
-    from .store import Store
+Store = Any  # a dflash_cache.store.Store (store.py imports this module, so it is not imported here)
 
 FORMAT_NAME = "dflash-cache"
 FORMAT_VERSION = 4  # the newest this code reads and writes; bf16 caches are still written as version 1, quantised

@@ -31,6 +31,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from . import basis as basis_mod
 from .format import (
     COMMIT_KEY,
     HIDDEN,
@@ -171,12 +172,11 @@ class CacheWriter:
                 self.store.put(f"{SHARDS}/zarr.json", root_record_json(existing))  # (the root matches this run's)
         elif create:
             if spec.basis:  # P first: a root that exists always has its basis
-                from . import basis as basis_mod
 
                 if basis is None or basis_mod.digest(basis) != spec.basis.get("digest"):
                     raise CacheError(f"{self.path}: the spec's basis record needs its basis P (digest "
                                      f"{spec.basis.get('digest')!r})")
-                basis_mod.write(self.store, basis)
+                basis_mod.write(self.store, basis, array_json(*basis_mod.array_layout(basis.shape)))
             self.store.put("zarr.json", group_json(meta))
             self.store.put(f"{SHARDS}/zarr.json", root_record_json(meta))
         else:

@@ -23,7 +23,7 @@ import torch
 from dflash.core.decode_state import decoding_cache, select_rows, stack_rows
 from dflash.core.target import decode_sdpa
 
-from .generate import Engine, Result, _Chunk, _Row
+from .engine import Engine, Result, _Chunk, _Row
 
 
 class KindEngine(Engine):

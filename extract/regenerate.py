@@ -50,19 +50,18 @@ from dflash.core.threads import check_threads, decode_threads
 from dflash.core.weights import fingerprint
 
 from .data import ChatTokenizer, tokenizer_fingerprint
-from .generate import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
+from .engine import (  # noqa: F401  (re-exported: the generator's names stay importable from here)
     Continuation,
     Engine,
     Request,
     Result,
-    eager_engine,
-    generate,
     kv_bytes_per_token,
     plan_engine,
     rng_key,
     sample,
     uniforms,
 )
+from .generate import eager_engine, generate  # noqa: F401
 from .slot_engine import SlotEngine, plan_slots, slot_engine_unsupported
 from .regen_out import (  # noqa: F401  (META_NAME, part_name: importable from here, as before the split)
     FORMAT,

@@ -75,7 +75,7 @@ class ExtractConfig:
     # the context features stored on their own basis of this many directions (0: as they are); extract/basis_fit.py
     basis_rank: int = 0
     basis_from: str | None = None  # a cache whose basis this one is stored on (instead of fitting one)
-    basis_fit_tokens: int = dflash_cache.basis.FIT_TOKENS  # row tokens of the plan the basis is fitted on
+    basis_fit_tokens: int = 65536  # row tokens of the plan the basis is fitted on (dflash_cache.basis.FIT_TOKENS)
     writer_threads: int | None = None  # None: this process's cores / extraction ranks on the node
     host_buffers: int = 3
     chat_template: str | None = None

@@ -36,7 +36,7 @@ import torch
 from dflash.core.static_decode import StaticDecoder, unsupported
 from dflash.core.target import decode_sdpa, text_config
 
-from .generate import Continuation, Engine, Request, Result, _Row, continue_row, end_of_turn
+from .engine import Continuation, Engine, Request, Result, _Row, continue_row, end_of_turn
 from .sampling import sample, uniforms
 
 MIN_BATCH = 8

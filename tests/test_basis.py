@@ -280,3 +280,11 @@ def test_a_follower_trains_on_the_extractions_basis(work, targets, data_path):
     check_composed(run, out)
     digest = dflash_cache.open(str(out)).metadata["basis"]["digest"]
     assert json.loads((run / "run.json").read_text())["caches"]["cache"]["identity"]["basis.digest"] == digest
+
+
+def test_the_fit_tokens_default_is_the_cache_modules():
+    """extract's --basis-fit-tokens default (a literal, for --help without torch) is dflash_cache.basis.FIT_TOKENS."""
+    from dflash.extract.run import ExtractConfig
+    from dflash_cache.basis import FIT_TOKENS
+
+    assert ExtractConfig.__dataclass_fields__["basis_fit_tokens"].default == FIT_TOKENS

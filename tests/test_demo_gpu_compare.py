@@ -269,7 +269,8 @@ def test_with_follow_the_dflash_trainer_follows_the_extraction_for_the_compariso
 
 def test_compare_is_the_gpu_recipes_and_checked(tmp_path):
     from dflash.core.config import ConfigError
-    from dflash.recipes.demo import DemoConfig, run_demo
+    from dflash.recipes.demo import DemoConfig
+    from dflash.recipes.run_demo import run_demo
     from dflash.recipes.gpu import gpu_stage_plan
     from dflash.recipes.gpu_config import GpuRecipe, load_recipe
 

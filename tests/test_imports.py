@@ -218,3 +218,80 @@ def test_the_static_check_catches_a_cross_stage_import_in_a_function_body(tmp_pa
     path = tmp_path / rel
     path.write_text("def f():\n    from ..train import model\n")
     assert any(_forbidden("extract", m) for _, m in _imported_modules(path, rel))
+
+
+# ------------------------------------------------------------------------------------------------ circles
+
+
+def _module_name(rel: Path) -> str:
+    parts = list(rel.with_suffix("").parts)
+    if parts[0] in ("extract", "train"):
+        parts = ["dflash", *parts]
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the repository modules it imports (function bodies included; `from pkg import sub` counts as
+    pkg.sub where that is a module, else as pkg)."""
+    files = {}
+    for path in sorted(REPO.rglob("*.py")):
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in ("dflash", "dflash_cache", "extract", "train") and "__pycache__" not in rel.parts:
+            files[_module_name(rel)] = (path, rel)
+    graph: dict[str, set[str]] = {}
+    for name, (path, rel) in files.items():
+        deps = set()
+        for _, module in _imported_modules(path, rel):
+            while module and module not in files:
+                module = module.rpartition(".")[0]
+            if module and module != name and not name.startswith(module + "."):  # a package's own __init__
+                deps.add(module)
+        graph[name] = deps
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                group.append(w)
+                if w == v:
+                    break
+            if len(group) > 1:
+                out.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle():
+    """No two modules import each other, directly or round a longer circle (imports in function bodies count)."""
+    assert circles(import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

@@ -59,21 +59,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.core.errors import DflashError
 from dflash.core.layers import default_layer_ids
 from dflash.train.attention import split_block_attention, split_mask
 from dflash.train.blocks import Blocks, attend, dense_block_mask, flex_block_mask, make_blocks_opaque
 from dflash.train.loss import chunked_block_loss
+from dflash.train.errors import DrafterError  # noqa: F401  (re-exported)
 from dflash.train.rope import (_rope_of, apply_rope, rope_attention_factor, rope_cos_sin, rope_inv_freq,  # noqa: F401
                                rotate_half)
 
 # --------------------------------------------------------------------------------------------
 # Config
 # --------------------------------------------------------------------------------------------
-
-
-class DrafterError(DflashError, ValueError):
-    """A drafter config, checkpoint or target head that cannot be used (one `error:` line in the CLI)."""
 
 
 # RoPE settings of a target that describe its own attention, not a Qwen3 drafter's (DrafterConfig.from_target)

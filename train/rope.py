@@ -8,6 +8,8 @@ import math
 
 import torch
 
+from dflash.train.errors import DrafterError
+
 
 def _rope_of(c) -> dict:
     """RoPE settings of an HF config, for transformers 4.x (rope_theta/rope_scaling) and 5.x (rope_parameters)."""
@@ -42,8 +44,6 @@ def rope_inv_freq(cfg) -> torch.Tensor:
     elif kind == "yarn":
         return _yarn(cfg, rs)[0]
     else:
-        from dflash.train.model import DrafterError
-
         raise DrafterError(f"drafter config: rope_scaling type {kind!r} is not supported (default, linear, llama3, "
                            "yarn)")
     return inv.float()

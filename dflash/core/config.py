@@ -34,22 +34,13 @@ from typing import Any, TypeVar
 
 import yaml
 
-from dflash.core.errors import DflashError
+from dflash.core.config_error import ConfigError, flag  # noqa: F401  (re-exported: the settings' error and flag names)
+from dflash.core.paths import path_form
 
 C = TypeVar("C")
 
 
 
-class ConfigError(DflashError, ValueError):
-    """A bad setting; the message names the flag (e.g. --seq-len). `field`: the setting it is about, if one."""
-
-    def __init__(self, message: str, field: str | None = None):
-        super().__init__(message)
-        self.field = field
-
-
-def flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 class PresetLoader(yaml.SafeLoader):
@@ -79,8 +70,6 @@ def presets() -> dict[str, resources.abc.Traversable]:
 def resolve_preset(name: str):
     """A path given with --config (a file:// URL as the path it names), or the packaged preset of that name (with or
     without .yaml)."""
-    from dflash.core.paths import path_form  # (paths imports this module)
-
     name = path_form(name, "config")
     if os.path.islink(name) and not os.path.exists(name):
         raise ConfigError(f"--config {name} is a dangling symlink (to {os.readlink(name)}, which does not exist)")

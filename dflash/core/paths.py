@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 
-from dflash.core.config import ConfigError, flag
+from dflash.core.config_error import ConfigError, flag
 from dflash_cache.lock import OutputLock
 
 

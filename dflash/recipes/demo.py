@@ -1,6 +1,6 @@
 """`dflash demo`: the whole pipeline on a real chat model, offline, from data shipped in packages.
 
-DemoConfig holds the command's settings (dflash/cli.py maps its flags onto it); run_demo runs the recipe they choose:
+DemoConfig holds the command's settings (dflash/cli.py maps its flags onto it); dflash/recipes/run_demo.py runs the recipe they choose:
 the CPU recipe (dflash/recipes/cpu.py: SmolLM2-135M-Instruct on chitchat, in minutes on a laptop CPU, at CPU_SIZES)
 or the GPU recipe (dflash/recipes/gpu.py, sized by configs/demo-gpu.yaml). `--recipe auto` is the GPU one when torch
 sees CUDA. This module imports neither recipe nor torch at import time: `dflash --help` reads CPU_SIZES from here.
@@ -9,9 +9,8 @@ sees CUDA. This module imports neither recipe nor torch at import time: `dflash 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-from dflash.core.config import ConfigError, check
+from dflash.core.config import check
 
 CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "drafter_layers": 1}
 # The CPU recipe's duration, the one place it is stated (the demo's first line, `dflash demo --help` and README use
@@ -21,12 +20,10 @@ CPU_SIZES = {"train_prompts": 240, "eval_prompts": 16, "train_steps": 160, "draf
 # stage's line shows its share of the whole.
 CPU_STAGE_SECONDS = {"prepare target": 11.0, "regenerate": 80.0, "extract": 42.0, "train": 188.0, "eval": 131.0}
 
-
 def cpu_demo_time(seconds: dict[str, float] | None = None) -> str:
     """The CPU recipe's measured duration, e.g. "7 min 32 s": the sum of `seconds` (default CPU_STAGE_SECONDS)."""
     total = round(sum((CPU_STAGE_SECONDS if seconds is None else seconds).values()))
     return f"{total // 60} min {total % 60} s" if total >= 60 else f"{total} s"
-
 
 @dataclass
 class DemoConfig:
@@ -79,28 +76,3 @@ class DemoConfig:
 
         return replace(self, recipe="cpu", workdir=self.workdir or "work/demo",
                        **{k: v for k, v in CPU_SIZES.items() if getattr(self, k) is None})
-
-
-def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """The recipe cfg.recipe resolves to: the GPU one (dflash/recipes/gpu.py) or the CPU one (dflash/recipes/cpu.py)."""
-    from dflash.recipes.cpu import run_cpu_demo  # (cpu.py imports DemoConfig from here)
-    from dflash.recipes.gpu import run_gpu_demo
-    from dflash.recipes.gpu_config import PRESET
-
-    if cfg.resolved_recipe() == "gpu":
-        if cfg.train_prompts is not None:
-            raise ConfigError("--train-prompts: the GPU recipe trains on every training conversation of chitchat "
-                              "(its sizes are in configs/demo-gpu.yaml); use --recipe cpu for a prompt count")
-        if cfg.responses != "regenerate":
-            raise ConfigError("--responses: the GPU recipe trains on regenerated responses only")
-        overrides = {k: v for k, v in (("max_steps", cfg.train_steps), ("drafter_layers", cfg.drafter_layers))
-                     if v is not None}
-        return run_gpu_demo(cfg.workdir or ("work/demo-gpu-" + cfg.compare if cfg.compare else "work/demo-gpu"),
-                            cfg.config or PRESET, cfg.device, cfg.progress, train_overrides=overrides,
-                            eval_prompts=cfg.eval_prompts, compare=cfg.compare)
-    if cfg.compare is not None:
-        raise ConfigError("--compare: a comparison of the GPU recipe; the CPU recipe trains one drafter "
-                          "(use --recipe gpu)")
-    if cfg.config is not None:
-        raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
-    return run_cpu_demo(cfg.cpu())

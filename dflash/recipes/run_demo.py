@@ -1,0 +1,33 @@
+"""`dflash demo`: the recipe a DemoConfig resolves to, run. Above both recipes (dflash/recipes/cpu.py, gpu.py),
+which read their settings from dflash/recipes/demo.py."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.core.config import ConfigError
+from dflash.recipes.cpu import run_cpu_demo
+from dflash.recipes.demo import DemoConfig
+from dflash.recipes.gpu import run_gpu_demo
+from dflash.recipes.gpu_config import PRESET
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    """The recipe cfg.recipe resolves to: the GPU one (dflash/recipes/gpu.py) or the CPU one (dflash/recipes/cpu.py)."""
+    if cfg.resolved_recipe() == "gpu":
+        if cfg.train_prompts is not None:
+            raise ConfigError("--train-prompts: the GPU recipe trains on every training conversation of chitchat "
+                              "(its sizes are in configs/demo-gpu.yaml); use --recipe cpu for a prompt count")
+        if cfg.responses != "regenerate":
+            raise ConfigError("--responses: the GPU recipe trains on regenerated responses only")
+        overrides = {k: v for k, v in (("max_steps", cfg.train_steps), ("drafter_layers", cfg.drafter_layers))
+                     if v is not None}
+        return run_gpu_demo(cfg.workdir or ("work/demo-gpu-" + cfg.compare if cfg.compare else "work/demo-gpu"),
+                            cfg.config or PRESET, cfg.device, cfg.progress, train_overrides=overrides,
+                            eval_prompts=cfg.eval_prompts, compare=cfg.compare)
+    if cfg.compare is not None:
+        raise ConfigError("--compare: a comparison of the GPU recipe; the CPU recipe trains one drafter "
+                          "(use --recipe gpu)")
+    if cfg.config is not None:
+        raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
+    return run_cpu_demo(cfg.cpu())
