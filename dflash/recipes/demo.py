@@ -1,9 +1,9 @@
 """`dflash demo`: the whole pipeline on a real chat model, offline, from data shipped in packages.
 
 DemoConfig holds the command's settings (dflash/cli.py maps its flags onto it); dflash/recipes/run_demo.py runs the
-recipe they choose: the CPU recipe (dflash/recipes/cpu.py: SmolLM2-135M-Instruct on chitchat, in minutes on a laptop CPU, at CPU_SIZES)
-or the GPU recipe (dflash/recipes/gpu.py, sized by configs/demo-gpu.yaml). `--recipe auto` is the GPU one when torch
-sees CUDA. This module imports neither recipe nor torch at import time: `dflash --help` reads CPU_SIZES from here.
+recipe they choose: the CPU recipe (dflash/recipes/cpu.py: SmolLM2-135M-Instruct on chitchat, in minutes on a laptop
+CPU, at CPU_SIZES) or the GPU recipe (dflash/recipes/gpu.py, sized by configs/demo-gpu.yaml). `--recipe auto` is the
+GPU one when torch sees CUDA. This module imports neither recipe nor torch at import time: `dflash --help` reads CPU_SIZES from here.
 """
 
 from __future__ import annotations
