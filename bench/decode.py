@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench.common import QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
 from dflash.core.static_decode import StaticDecoder  # noqa: E402
 from dflash.core.target import decode_sdpa  # noqa: E402
-from dflash.extract.slab import kv_bytes_per_token  # noqa: E402
+from dflash.extract.generation.slab import kv_bytes_per_token  # noqa: E402
 
 
 def model_of(shape: str, device, dtype):

@@ -6,7 +6,7 @@ token at long rows. BENCHMARKS.md, "DFlash2 and windowed drafters".
     python bench/dflash2_step.py --shape tiny --device cpu --steps 2 --mode dflash2   # a CPU smoke run
 
 --mode dflash2: one process, the same call, the same random weights, shapes and optimizer (AdamW, fused on CUDA):
-  * dflash: `dflash train`'s compiled step (train/compile_step.py, regions scope, CUDA graphs), DFlash2Drafter;
+  * dflash: `dflash train`'s compiled step (train/fit/compile_step.py, regions scope, CUDA graphs), DFlash2Drafter;
   * speculators 0.9.0: DFlash2DraftModel.forward (its own torch.compile on CUDA, flex attention, its fused KL loss),
     on the R rows concatenated into one packed row of R*T tokens and R*N anchors (it trains on one row), backward.
   The bar: dflash's step >= 1.3x faster, 0 recompiles. The losses of the first step are printed: the same objective
@@ -33,7 +33,7 @@ from bench.train import synthetic_rows  # noqa: E402
 
 
 def drafter_config(shape: str, **over):
-    from dflash.train.model import DrafterConfig
+    from dflash.train.drafter.model import DrafterConfig
 
     return DrafterConfig.named(shape, **over)
 
@@ -63,7 +63,7 @@ def batch(cfg, rows: int, seq_len: int, extra_layers: int, dev, seed: int = 0):
 
 
 def dflash_step(model, dev, cuda: bool, rows, seq_len, anchors, gamma, extra_layers: int):
-    from dflash.train.compile_step import compile_step
+    from dflash.train.fit.compile_step import compile_step
 
     ids, lm, doc, hid = batch(model.cfg, rows, seq_len, extra_layers, dev)
     fwd = compile_step(model, "regions", cuda) if cuda else model.forward_train
@@ -113,7 +113,7 @@ def speculators_step(mine, dev, cuda: bool, rows, seq_len, anchors, gamma, loss_
     hid = hid.to(next(mine.parameters()).dtype)
     offs = torch.arange(rows, device=dev)[:, None] * (int(doc.max()) + 1)
     docs = torch.where(doc > 0, doc + offs, torch.zeros_like(doc)) - 1  # the reference's padding: -1
-    from dflash.train.blocks import document_positions
+    from dflash.train.drafter.blocks import document_positions
 
     pos = document_positions(doc).reshape(1, -1)
     K = c.num_context_layers * c.hidden_size
@@ -136,7 +136,7 @@ def speculators_step(mine, dev, cuda: bool, rows, seq_len, anchors, gamma, loss_
 
 
 def run_dflash2(a, dev, cuda) -> dict:
-    from dflash.train.dflash2 import DFlash2Drafter
+    from dflash.train.drafter.dflash2 import DFlash2Drafter
 
     dtype = torch.bfloat16 if cuda else torch.float32
     cfg = drafter_config(a.shape, arch="dflash2", block_size=a.block_size or drafter_config(a.shape).block_size)
@@ -169,7 +169,7 @@ def run_dflash2(a, dev, cuda) -> dict:
 
 
 def run_window(a, dev, cuda) -> dict:
-    from dflash.train.model import DFlashDrafter
+    from dflash.train.drafter.model import DFlashDrafter
 
     dtype = torch.bfloat16 if cuda else torch.float32
     out = {}

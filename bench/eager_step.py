@@ -1,4 +1,4 @@
-"""The eager CPU training step: dense SDPA mask vs the split attention (train/attention.py).
+"""The eager CPU training step: dense SDPA mask vs the split attention (train/drafter/attention.py).
 
 Feeds BENCHMARKS.md, "Training step" (the CPU row).
 
@@ -35,7 +35,7 @@ def one_mode(a) -> dict:
     import torch
 
     from bench.train import synthetic_rows
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16,

@@ -1,4 +1,4 @@
-"""The host time of a prefill's ids in the slot engine (extract/slot_engine.py `padded`): the prompts right-padded
+"""The host time of a prefill's ids in the slot engine (extract/generation/slot_engine.py `padded`): the prompts right-padded
 into one [k, width] tensor while the GPU waits, against building it row by row (one small tensor a prompt, as the
 engine did before). Feeds BENCHMARKS.md, "Regeneration".
 
@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from dflash.extract.slot_engine import padded  # noqa: E402
+from dflash.extract.generation.slot_engine import padded  # noqa: E402
 
 
 def row_by_row(prompts: list[list[int]], width: int, pad: int) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """The slot engine's host time per decode step: the bookkeeping between two replays of the step's CUDA graph
-(positions, which rows end, their tokens, freed slots), during which the GPU waits (extract/slot_engine.py). The
+(positions, which rows end, their tokens, freed slots), during which the GPU waits (extract/generation/slot_engine.py). The
 model's step is replaced by a stand-in returning logits of the right shape at once, and greedy sampling picks a
 token from them, so what is timed is the engine's own Python and numpy work (plus that pick: on a GPU it is device
 work).
@@ -24,8 +24,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import tiny_llama  # noqa: E402
-from dflash.extract.generate import Request  # noqa: E402
-from dflash.extract.slot_engine import SlotEngine  # noqa: E402
+from dflash.extract.generation.generate import Request  # noqa: E402
+from dflash.extract.generation.slot_engine import SlotEngine  # noqa: E402
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """How the order in which `regenerate` hands prompts to the slot engine changes the columns a decode step attends
-over (extract/slot_engine.py: a step attends over its longest live row's columns, rounded up to 256). The engine is
+over (extract/generation/slot_engine.py: a step attends over its longest live row's columns, rounded up to 256). The engine is
 the real SlotEngine, on a CPU with a one-layer random model (the scheduling does not depend on the model); prompts
-are given in parts as `regenerate` does (extract/regenerate.py: longest first within a window of parts).
+are given in parts as `regenerate` does (extract/generation/regenerate.py: longest first within a window of parts).
 
     python bench/slot_schedule.py --prompts 16384 --slots 1024 --windows 1,8,16,32
 
@@ -23,9 +23,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import tiny_llama  # noqa: E402
-from dflash.extract.generate import Request  # noqa: E402
-from dflash.extract.regenerate import PartOrder  # noqa: E402
-from dflash.extract.slot_engine import SlotEngine  # noqa: E402
+from dflash.extract.generation.generate import Request  # noqa: E402
+from dflash.extract.generation.regenerate import PartOrder  # noqa: E402
+from dflash.extract.generation.slot_engine import SlotEngine  # noqa: E402
 
 
 def main() -> None:

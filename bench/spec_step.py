@@ -9,7 +9,7 @@ Feeds BENCHMARKS.md, "Decoding and quality" (the speculative step's cost: its at
     python bench/spec_step.py --draft-only --graphs off,on --backends default,decode   # the drafter's block forward
 
 A random target of the GPU recipe's shape (Llama, 30 layers, hidden 576, 9 heads / 3 KV heads, vocab 49152) and a
-random drafter (2 layers, block 8, 5 context layers) decode --prompts random prompts through train/decode.py's
+random drafter (2 layers, block 8, 5 context layers) decode --prompts random prompts through train/evaluate/decode.py's
 speculative() loop, the target alone (NoDraft), DFlash and n-gram lookup, with the target's own attention ("model":
 HF's sdpa, a 4D mask and a copy of the KV cache per query head for every multi-token forward) and with the eval's
 decode attention ("auto": causal to the bottom right, no mask). Random weights accept nothing: every step emits one
@@ -19,7 +19,7 @@ and a drafter with acceptance tau gets about tau times that. The drafter's step 
 and of a verify forward, per attention.
 
 --draft-only: the drafter alone holds --context tokens of context; each step drafts one block through the eval's
-own proposer (train/drafting.py DFlashProposer) after the previous step's verified block with one accepted token,
+own proposer (train/evaluate/drafting.py DFlashProposer) after the previous step's verified block with one accepted token,
 as a speculative step does. Per dtype, --graphs (off: eager block forward; on: one CUDA graph, eval's
 --draft-graph) and --backends (default: PyTorch's own SDPA kernel choice; decode: the ones dflash decodes with,
 dflash.core.target.decode_sdpa, no cuDNN): the median wall time of a step with the device synchronised, and the
@@ -42,10 +42,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dflash.core.target import decode_sdpa  # noqa: E402
-from dflash.train.decode import NgramProposer, NoDraft, speculative  # noqa: E402
-from dflash.train.drafting import DFlashProposer  # noqa: E402
-from dflash.train.model import DFlashDrafter, DrafterConfig  # noqa: E402
-from dflash.train.verify import Target, crop_cache  # noqa: E402
+from dflash.train.evaluate.decode import NgramProposer, NoDraft, speculative  # noqa: E402
+from dflash.train.evaluate.drafting import DFlashProposer  # noqa: E402
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.train.evaluate.verify import Target, crop_cache  # noqa: E402
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 

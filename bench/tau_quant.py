@@ -56,8 +56,8 @@ def main(argv=None):
     from dflash.recipes.demo import DemoConfig
     from dflash.extract.run import ExtractConfig, run_extract
     from dflash.core.target import convert_gguf
-    from dflash.train.eval import EvalConfig, run_eval
-    from dflash.train.trainer import TrainConfig, run_train
+    from dflash.train.evaluate.eval import EvalConfig, run_eval
+    from dflash.train.fit.trainer import TrainConfig, run_train
 
     os.makedirs(a.workdir, exist_ok=True)
     demo = DemoConfig(workdir=a.workdir, responses=a.responses, train_prompts=a.train_prompts,

@@ -11,7 +11,7 @@ Feeds BENCHMARKS.md, "Training step", "First compiled step" and the step-per-sto
 
 --isolate runs each compiled mode in new processes whose inductor and Triton caches are new empty directories:
 fresh (nothing saved: what a new machine pays), then warm (the compile artifacts the fresh run saved,
-train/compile_step.py); first_call_s is the first compiled call (forward + backward, compilation included), step_ms
+train/fit/compile_step.py); first_call_s is the first compiled call (forward + backward, compilation included), step_ms
 the median step after it. --compile-scopes step is the whole step as one graph (the way it was).
 
 Qwen3-8B shape (the peers' offline defaults): 5 layers, H 4096, vocab 151,936, B 16, 4 rows x 3072
@@ -19,7 +19,7 @@ tokens, 512 anchors per row, gamma 7, bf16 weights, fused AdamW. The cache is sy
 bf16 hidden states, realistic packing) and written with dflash_cache; the target directory holds
 only the embedding and LM head (all `dflash train` reads). Reports tokens/s, step time, MFU
 (matmul FLOPs: trainable x3, frozen LM head x2, over the chip's dense bf16 peak,
-train/schedule.py's table: 989 TFLOP/s on an H100/H200), recompiles after
+train/fit/schedule.py's table: 989 TFLOP/s on an H100/H200), recompiles after
 warm-up, and the fraction of time the step waited for data. With --hidden-dtypes the same synthetic rows
 are also stored as fp8 / fp4 caches (quantised by the writer); the loader then moves bytes + scales and the
 step dequantises on the GPU.
@@ -97,7 +97,7 @@ def synthetic_cache(path: str, target: str, seq_len: int, rows: int, layer_ids: 
 
 def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="bfloat16", profile_steps=0,
             scope="regions", compile_cache=None):
-    from dflash.train.trainer import Trainer, TrainConfig
+    from dflash.train.fit.trainer import Trainer, TrainConfig
 
     _, T, rows, anchors, block, layers = shape
     shutil.rmtree(out, ignore_errors=True)
@@ -133,7 +133,7 @@ def run_one(cache, target, out, shape, compile_, attn, steps, log_every, dtype="
     r = {
         "compile": compile_, "attn": attn, "step_ms": ms,
         "ctx_tok_s": rows * T / ms * 1000, "block_tok_s": rows * anchors * block / ms * 1000,
-        "mfu": tr.flops / (ms / 1000) / tr.peak if tr.peak else None,  # the chip's peak (train/schedule.py)
+        "mfu": tr.flops / (ms / 1000) / tr.peak if tr.peak else None,  # the chip's peak (train/fit/schedule.py)
         "tflops": tr.flops / (ms / 1000) / 1e12,
         "recompiles": res["recompiles_after_warmup"],
         "data_wait": float(np.mean([h["data_wait_frac"] for h in hist])),

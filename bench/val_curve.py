@@ -31,7 +31,7 @@ def load(run: str, seq_len: int = 0) -> dict:
         import dflash_cache
 
         seq_len = dflash_cache.open(cfg["cache"], allow_incomplete=True).seq_len
-    from dflash.train.run_dir import read_metrics
+    from dflash.train.fit.run_dir import read_metrics
 
     # a resumed run repeats no step: run_dir drops the records after the checkpoint it resumes from
     points = {r["step"]: (r.get("val_tau_decode"), r["val_tau_expected"]) for r in read_metrics(run)

@@ -7,7 +7,7 @@ Feeds BENCHMARKS.md, "Decoding and quality" (the expected tau against the decodi
 
 It drafts a block at every anchor position of the first --rows rows (0 = all) of the held-out cache, once, and
 for each --max-new-tokens value (0 = whole answers) walks each answer as greedy speculative decoding does
-(train/validate.py), then prints the decoding tau beside the expected tau (the mean accepted length over every
+(train/fit/validate.py), then prints the decoding tau beside the expected tau (the mean accepted length over every
 position) and the loss. On answers the target itself wrote (regenerated, greedy), the decoding tau is what
 `dflash eval` measures on the same prompts with the same --max-new-tokens. The drafter runs in float32 with the
 exact split attention on CPU and GPU alike.
@@ -41,9 +41,9 @@ def main(argv=None) -> dict:
     import torch
 
     import dflash_cache
-    from dflash.train.checkpoint import load_drafter
-    from dflash.train.target_head import load_target_head
-    from dflash.train.validate import Validator, decode_walk
+    from dflash.train.drafter.checkpoint import load_drafter
+    from dflash.train.drafter.target_head import load_target_head
+    from dflash.train.fit.validate import Validator, decode_walk
 
     dev = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if a.device == "auto" else a.device)
     model = load_drafter(a.drafter, attn_impl="split", dtype=torch.float32, device=dev)

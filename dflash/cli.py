@@ -340,7 +340,7 @@ def train(preset, gpus, no_progress, **flags):
     Multi-GPU:  torchrun --nproc-per-node 3 -m dflash train ...   (or --gpus 5,6,7)
     """
     refuse_gpus_under_torchrun(gpus)
-    from dflash.train.trainer import TrainConfig, run_train
+    from dflash.train.fit.trainer import TrainConfig, run_train
 
     if no_progress:
         flags["progress"] = False
@@ -359,9 +359,9 @@ def train(preset, gpus, no_progress, **flags):
 
 
 def check_time_budget(flags: dict) -> None:
-    """--time-budget as seconds (train/config.py parse_duration); beside a --max-steps or --epochs flag, which
+    """--time-budget as seconds (train/fit/config.py parse_duration); beside a --max-steps or --epochs flag, which
     would also set the run's steps, one error line naming both."""
-    from dflash.train.config import parse_duration
+    from dflash.train.fit.config import parse_duration
 
     flags["time_budget_s"] = parse_duration(flags.get("time_budget_s"))
     other = next((k for k in ("max_steps", "epochs") if flags.get(k) is not None), None)
@@ -373,7 +373,7 @@ def check_time_budget(flags: dict) -> None:
 def refuse_dflash2_flags(arch: str, flags: dict) -> None:
     """A DFlash2 setting given as a flag to another arch is an error, even at its default (a preset's values are
     unused there, and the trainer says so: one preset may serve both archs)."""
-    from dflash.train.config import DFLASH2_ONLY, DFLASH2_SETTINGS
+    from dflash.train.fit.config import DFLASH2_ONLY, DFLASH2_SETTINGS
 
     given = [name for name in DFLASH2_SETTINGS if flags.get(name) is not None]
     if given and arch != "dflash2":
@@ -434,7 +434,7 @@ def pipeline(**kw):
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables.")
 @option("--json", "json_out", help="Write the full report here: target, dflash and ngram each with tau, speedup, identical, per-prompt tau, "
              "histograms and timings; sets and categories likewise (schema dflash.eval/1, every key described in "
-             "train/eval.py's docstring).")
+             "train/evaluate/eval.py's docstring).")
 @option("--plot", help="Write the acceptance-by-slot bar chart (PNG) here.")
 @option("--target-graph/--no-target-graph", default=None,
         help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
@@ -450,7 +450,7 @@ def eval_cmd(preset, no_progress, **flags):
 
     Also runs n-gram prompt lookup on the same prompts, so every eval shows what the drafter adds.
     """
-    from dflash.train.eval import EvalConfig, format_report, run_eval
+    from dflash.train.evaluate.eval import EvalConfig, format_report, run_eval
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
@@ -513,7 +513,7 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
     Multi-GPU:  torchrun --nproc-per-node 4 -m dflash regenerate ...   (or --gpus 0,1,2,3)
     """
     refuse_gpus_under_torchrun(gpus)
-    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.generation.regenerate import RegenerateConfig, run_regenerate
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
@@ -568,7 +568,7 @@ def prompts(preset, json_out, no_progress, **flags):
     Then:  dflash regenerate --target T --data OUT --out ANSWERS   (the target answers them)
            and mix ANSWERS with your other data for `dflash extract`.
     """
-    from dflash.extract.prompts import PromptsConfig, run_prompts
+    from dflash.extract.generation.prompts import PromptsConfig, run_prompts
 
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
     if no_progress:
@@ -586,7 +586,7 @@ def prompts(preset, json_out, no_progress, **flags):
 
 def _check_drafter(path: str, after_export: bool = False) -> None:
     """The serving contract check of the drafter at `path`: its table, then one verdict line (exit 2 on a misread)."""
-    from dflash.train.contract import ContractError, check_drafter, format_table, summary
+    from dflash.train.serve.contract import ContractError, check_drafter, format_table, summary
 
     v = check_drafter(path)
     click.echo(format_table(v))
@@ -628,8 +628,8 @@ def export(drafter, fmt, out, target, chat_template_kwargs, check_only):
     if out is None and not check_only:
         raise click.UsageError("--out is required (or --check alone to check DRAFTER)")
     if out is not None:
-        from dflash.train.contract import check_drafter, summary
-        from dflash.train.export import export as write_export
+        from dflash.train.serve.contract import check_drafter, summary
+        from dflash.train.serve.export import export as write_export
 
         kwargs = parse_kv(chat_template_kwargs, "chat_template_kwargs") or None
         check_paths(out=out)

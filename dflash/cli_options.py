@@ -112,10 +112,10 @@ def argv_without_gpus(argv: list[str]) -> list[str]:
 # shows here.
 COMMAND_CONFIGS = {
     "extract": ("dflash.extract.run", "ExtractConfig"),
-    "train": ("dflash.train.config", "TrainConfig"),
-    "eval": ("dflash.train.eval", "EvalConfig"),
-    "regenerate": ("dflash.extract.regenerate", "RegenerateConfig"),
-    "prompts": ("dflash.extract.prompts", "PromptsConfig"),
+    "train": ("dflash.train.fit.config", "TrainConfig"),
+    "eval": ("dflash.train.evaluate.eval", "EvalConfig"),
+    "regenerate": ("dflash.extract.generation.regenerate", "RegenerateConfig"),
+    "prompts": ("dflash.extract.generation.prompts", "PromptsConfig"),
 }
 
 
@@ -180,7 +180,7 @@ MAX_INT = 2**63 - 1  # what torch and numpy hold: a larger integer flag is a typ
 
 class BoundedInt(click.types.IntParamType):
     """click's INT, refusing integers beyond +-MAX_INT (99999999999999999999 was an OverflowError or TypeError deep
-    in torch). Each setting's own sane bound is its config dataclass's check (e.g. train/config.py)."""
+    in torch). Each setting's own sane bound is its config dataclass's check (e.g. train/fit/config.py)."""
 
     def convert(self, value, param, ctx):
         n = super().convert(value, param, ctx)

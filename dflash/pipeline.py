@@ -6,7 +6,7 @@
 runs `dflash extract --out C ...` on --extract-gpus and `dflash train --follow --cache C --out RUN ...` on
 --train-gpus, each a torchrun job of one process per GPU (as their own --gpus would launch it) or, without a GPU list,
 one plain process on its default device (the GPU if there is one, else the CPU). They share nothing but the cache:
-the trainer reads each shard once it is committed (train/follow.py) and its run equals, bit for bit, a run over the
+the trainer reads each shard once it is committed (train/fit/follow.py) and its run equals, bit for bit, a run over the
 finished cache. Their output is forwarded line by line behind `[extract] ` and `[train] `; every --status-every
 seconds and at the end the pipeline says how far each is and at what rate (extraction: committed rows and tokens per
 second; training: rows per second and the share of time it waited for data), and the wall clock of the whole; --json
@@ -212,7 +212,7 @@ class Progress:
         return f"extraction: {state}, {rows}/{c.spec.num_rows} rows{rate}"
 
     def training(self) -> str:
-        from dflash.train.run_dir import read_metrics
+        from dflash.train.fit.run_dir import read_metrics
 
         try:
             recs = read_metrics(self.out)

@@ -1,7 +1,7 @@
 """Features on their own basis: a cache that stores z = P·x (R numbers per token) instead of x (K·H).
 
 A drafter reads the target's K·H context features only through one linear map without bias
-(`fc: Linear(K·H -> H)`, train/model.py), so the features can be stored on a fixed basis of R directions:
+(`fc: Linear(K·H -> H)`, train/drafter/model.py), so the features can be stored on a fixed basis of R directions:
 
     z = P x                 P: float32 [R, K·H] (rows orthonormal), x: the K context layers of a token, concatenated
     fc(x) ~ fc'(z)          a drafter trained on z learns fc': [H, R]; at export fc = fc' P is exact for the features

@@ -29,7 +29,7 @@ from dflash.core.target import TargetError
 from dflash_cache import basis as basis_mod
 from dflash_cache.format import CacheMismatchError
 
-from .pack import materialize
+from dflash.extract.pack import materialize
 
 
 def resolve_on_main(cfg, existing: dict | None, *, width: int, hidden_size: int, layer_ids: list[int],

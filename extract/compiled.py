@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from .target import PackedTarget
+from dflash.extract.target import PackedTarget
 
 FACTOR = 2.0
 FLOOR = 1e-3

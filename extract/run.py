@@ -45,12 +45,12 @@ from dflash_cache import CacheSpec, CacheWriter, quant
 from dflash_cache.store import Store
 from dflash_cache.writer import existing_root
 
-from . import basis_fit
-from .assign import assign_shards, shard_real_tokens, writer_threads_per_rank
-from .data import ChatTokenizer, data_fingerprint, tokenizer_fingerprint
-from .pack import materialize, pack, pack_stats
-from .target import PackedTarget
-from .tokenize_cache import tokenize_cached
+from dflash.extract import basis_fit
+from dflash.extract.assign import assign_shards, shard_real_tokens, writer_threads_per_rank
+from dflash.extract.data import ChatTokenizer, data_fingerprint, tokenizer_fingerprint
+from dflash.extract.pack import materialize, pack, pack_stats
+from dflash.extract.target import PackedTarget
+from dflash.extract.tokenize_cache import tokenize_cached
 
 
 @dataclass
@@ -466,7 +466,7 @@ def _release_compile_workers() -> None:
 
 def _compiled_target(target, spec, plan, docs, pad_id, shard, batch_rows, dev):
     """The checked compiled forward (extract/compiled.py) or, on disagreement, the eager one; and the report."""
-    from .compiled import compiled_or_eager
+    from dflash.extract.compiled import compiled_or_eager
 
     start, n = spec.shard_rows(shard)
     rows = min(n, batch_rows)

@@ -40,7 +40,7 @@ import numpy as np
 from dflash.core.chat import content_of
 from dflash.core.io import check_files, file_record, shared_mode, short_hash
 
-from .data import ChatTokenizer, TokenizedData, check_usable, data_fingerprint, tokenize_dataset, tokenizer_fingerprint
+from dflash.extract.data import ChatTokenizer, TokenizedData, check_usable, data_fingerprint, tokenize_dataset, tokenizer_fingerprint
 
 FORMAT = 2  # 2: meta.json records the size and digest of every array file (entries of format 1 are not read)
 ARRAY_FILES = ("ids.npy", "mask.npy", "offsets.npy", "sample_index.npy")

@@ -1,4 +1,4 @@
-"""The split block attention (train/attention.py) against the dense-mask SDPA reference, in float32.
+"""The split block attention (train/drafter/attention.py) against the dense-mask SDPA reference, in float32.
 
 Covered: outputs and gradients (q, context k/v, block k/v) equal to `attend(..., dense_block_mask, "sdpa")`
 for several shapes (MHA and GQA, block sizes, chunk sizes from 1 block to all), rows with padding and a
@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.train.attention import _key_ranges, _chunk_attention, split_block_attention, split_mask
-from dflash.train.blocks import attend, dense_block_mask, make_blocks
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter.attention import _key_ranges, _chunk_attention, split_block_attention, split_mask
+from dflash.train.drafter.blocks import attend, dense_block_mask, make_blocks
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
 
 def _rows(R, T, doc_lens, seed, pad_row=False, starts=False):

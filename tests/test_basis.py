@@ -185,9 +185,9 @@ def test_another_basis_is_refused_naming_the_field(work, targets, data_path, bas
 
 
 def test_composed_drafter_drafts_the_projected_drafters_logits(tmp_path):
-    from dflash.train.checkpoint import load_drafter, save_drafter
-    from dflash.train.dflash2 import make_drafter
-    from dflash.train.model import DrafterConfig
+    from dflash.train.drafter.checkpoint import load_drafter, save_drafter
+    from dflash.train.drafter.dflash2 import make_drafter
+    from dflash.train.drafter.model import DrafterConfig
 
     cfg = DrafterConfig.named("tiny", basis_rank=40)  # K*H = 2 * 64 = 128 features, 40 stored
     g = torch.Generator().manual_seed(0)

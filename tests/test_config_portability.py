@@ -22,8 +22,8 @@ from transformers import AutoConfig
 
 from dflash.cli import main as cli_main
 from dflash.core.target import portable_rope
-from dflash.train.checkpoint import save_drafter
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter.checkpoint import save_drafter
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 from tests.tiny import make_tiny_target
 
 THETA = 500_000.0

@@ -57,7 +57,7 @@ WEIGHT_ATOL = 1e-4
 DUMPING = """
 import os, sys
 from safetensors.torch import save_file
-import dflash.train.trainer as t
+import dflash.train.fit.trainer as t
 _train = t.Trainer.train
 def train(self):
     out = _train(self)

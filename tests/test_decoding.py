@@ -1,9 +1,9 @@
 """Eval decoding against an independent reference, in float32 on a tiny Qwen3 target.
 
 `dflash eval` reports tau and checks losslessness against its own greedy loop, which shares the target
-wrapper (train/verify.py Target) with speculative decoding: a bug there makes both wrong and equal. Here the
+wrapper (train/evaluate/verify.py Target) with speculative decoding: a bug there makes both wrong and equal. Here the
 reference is tests/workload.py hf_greedy, a loop straight over the HF model that recomputes the whole
-sequence every token (no KV cache, nothing of train/decode.py or verify.py). Covered:
+sequence every token (no KV cache, nothing of train/evaluate/decode.py or verify.py). Covered:
 
     greedy() and speculative() (DFlash drafter, n-gram lookup) give the reference's tokens, prompts of
         several lengths, with and without an end-of-sequence id;
@@ -28,11 +28,11 @@ from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
 from dflash.core.target import load_causal_lm, load_tokenizer
-from dflash.train.checkpoint import load_drafter
-from dflash.train.decode import NgramProposer, greedy, speculative
-from dflash.train.drafting import DFlashProposer
-from dflash.train.verify import Target
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter.checkpoint import load_drafter
+from dflash.train.evaluate.decode import NgramProposer, greedy, speculative
+from dflash.train.evaluate.drafting import DFlashProposer
+from dflash.train.evaluate.verify import Target
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
 

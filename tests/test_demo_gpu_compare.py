@@ -41,7 +41,7 @@ COMPARE_RECIPE = TINY_RECIPE.replace("recipe:\n", """recipe:
 def budget_steps(run) -> tuple[dict, int]:
     """DFlash2's time-budget decision (RUN/run.json) and its total: decided after 3 warm-up steps and a probe of 2,
     at least 5 steps, else the budget over the measured step time; then the total of its last revision, if any
-    (train/time_budget.py; tests/test_train_time_budget.py tests them)."""
+    (train/fit/time_budget.py; tests/test_train_time_budget.py tests them)."""
     rec = json.loads((run / "run.json").read_text())["time_budget"]
     assert rec["probe_steps"][1] - rec["probe_steps"][0] == 1
     assert rec["decided_steps"] == max(rec["probe_steps"][1], math.floor(rec["budget_s"] / rec["step_s"]))
@@ -193,7 +193,7 @@ def test_a_run_killed_in_dflash2s_training_resumes_with_what_is_left(compared, t
     import time
 
     from dflash.recipes.gpu import run_gpu_demo
-    from dflash.train.run_dir import latest_checkpoint
+    from dflash.train.fit.run_dir import latest_checkpoint
     from tests.test_train import REPO, _env
 
     work = tmp_path / "w"

@@ -154,10 +154,10 @@ def test_eval_prompts_take_later_turns_in_later_rounds():
 
 def test_the_preset_builds_every_stage_config():
     from dflash.core.config import build
-    from dflash.extract.regenerate import RegenerateConfig
+    from dflash.extract.generation.regenerate import RegenerateConfig
     from dflash.extract.run import ExtractConfig
-    from dflash.train.eval import EvalConfig
-    from dflash.train.trainer import TrainConfig
+    from dflash.train.evaluate.eval import EvalConfig
+    from dflash.train.fit.trainer import TrainConfig
 
     r = load_recipe("demo-gpu")
     assert r.eval_dtypes[0] == "bfloat16" and "float32" in r.eval_dtypes

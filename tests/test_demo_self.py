@@ -19,7 +19,7 @@ from dflash.core.config import ConfigError
 from dflash.recipes.gpu_config import GpuRecipe
 from dflash.recipes.mix import prepare_data
 from dflash.recipes.self_prompts import self_prompts
-from dflash.extract.prompts import MARKER, keep, prefix_of, sample
+from dflash.extract.generation.prompts import MARKER, keep, prefix_of, sample
 from dflash.recipes.sources import Conversation, as_messages
 from tests.tiny import make_tiny_target, make_tiny_tokenizer, smollm2_gguf, smollm2_tokenizer
 
@@ -75,7 +75,7 @@ def test_sampling_is_the_same_in_any_batch_and_a_rerun_reads_what_was_sampled(ti
     rows = [json.loads(x) for x in (tmp_path / "data" / "self-prompts.jsonl").read_text().splitlines()]
     assert [(x["key"], x["prompt"]) for x in rows] == [(c.key, c.messages[0]["content"]) for c in convs]
 
-    import dflash.extract.prompts as pr
+    import dflash.extract.generation.prompts as pr
 
     def no_sampling(*a, **k):
         raise AssertionError("sampled again")

@@ -251,8 +251,8 @@ def test_the_cpu_demo_evaluates_a_few_mt_bench_prompts_beside_the_held_out_chitc
     from dflash.recipes.demo import DemoConfig
     from dflash.recipes.summary import eval_figures
     from dflash.recipes.summary import format_cpu_summary as cpu_summary
-    from dflash.train.decode import Decode
-    from dflash.train.eval import groups
+    from dflash.train.evaluate.decode import Decode
+    from dflash.train.evaluate.eval import groups
 
     cfg = DemoConfig(recipe="cpu", workdir=str(tmp_path)).cpu()
     assert cfg.out_of_source_prompts == 4

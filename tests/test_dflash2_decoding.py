@@ -19,13 +19,13 @@ import pytest
 import torch
 
 from dflash.core.target import load_causal_lm, load_tokenizer
-from dflash.train.blocks import make_blocks
-from dflash.train.decode import speculative
-from dflash.train.dflash2 import DFlash2Drafter
-from dflash.train.dflash2_drafting import DFlash2Proposer, greedy_selector_path
-from dflash.train.drafting import DFlashProposer
-from dflash.train.model import DFlashDrafter, DrafterConfig
-from dflash.train.verify import Target
+from dflash.train.drafter.blocks import make_blocks
+from dflash.train.evaluate.decode import speculative
+from dflash.train.drafter.dflash2 import DFlash2Drafter
+from dflash.train.evaluate.dflash2_drafting import DFlash2Proposer, greedy_selector_path
+from dflash.train.evaluate.drafting import DFlashProposer
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.train.evaluate.verify import Target
 from tests.tiny import make_tiny_target
 from tests.workload import hf_greedy
 
@@ -153,7 +153,7 @@ def test_the_fixed_shape_dflash2_step_drafts_exactly_as_the_eager_one(tiny, comp
 
 
 def test_the_dflash2_step_check_names_a_draft_the_selector_would_not_choose(tiny):
-    from dflash.train.dflash2_drafting import selector_disagreement
+    from dflash.train.evaluate.dflash2_drafting import selector_disagreement
 
     d = drafter(tiny, "dflash2")
     g = torch.Generator().manual_seed(4)

@@ -11,12 +11,12 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
 
-from dflash.train.decode import Decode, NgramProposer, greedy, speculative
-from dflash.train.drafting import DFlashProposer
-from dflash.train.verify import Target, crop_cache
-from dflash.train.eval import summarize
-from dflash.train.checkpoint import save_drafter  # noqa: E402
-from dflash.train.model import DFlashDrafter, DrafterConfig  # noqa: E402
+from dflash.train.evaluate.decode import Decode, NgramProposer, greedy, speculative
+from dflash.train.evaluate.drafting import DFlashProposer
+from dflash.train.evaluate.verify import Target, crop_cache
+from dflash.train.evaluate.eval import summarize
+from dflash.train.drafter.checkpoint import save_drafter  # noqa: E402
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -195,7 +195,7 @@ def test_target_alone_runs_the_same_loop_and_matches_an_independent_greedy_decod
 
 
 def test_differences_are_classified_by_the_margin_at_the_first_differing_token():
-    from dflash.train.eval import classify_differences
+    from dflash.train.evaluate.eval import classify_differences
 
     ref = [Decode([1, 2, 3], margins=[5.0, 0.1, 4.0]), Decode([1, 2, 3], margins=[5.0, 6.0, 4.0]),
            Decode([7, 7], margins=[1.0, 1.0])]
@@ -208,7 +208,7 @@ def test_differences_are_classified_by_the_margin_at_the_first_differing_token()
 
 
 def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
-    from dflash.train.eval import prompt_messages
+    from dflash.train.evaluate.eval import prompt_messages
 
     u1, a1, u2 = ({"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"},
                   {"role": "user", "content": "how are you"})
@@ -221,7 +221,7 @@ def test_a_row_ending_with_a_user_turn_is_a_prompt_with_its_history():
 def test_static_draft_forward_equals_the_eager_one_and_stays_lossless(model):
     """StaticDraft (fixed shapes: the whole context cache under a mask; a CUDA graph on a GPU) drafts what
     draft_block drafts, and a proposer using it reuses one cache across prompts without leaking context."""
-    from dflash.train.drafting import StaticDraft
+    from dflash.train.evaluate.drafting import StaticDraft
 
     torch.manual_seed(0)
     cfg = DrafterConfig.from_target(model.config, num_layers=2, layer_ids=[1, 3], block_size=5,
@@ -307,7 +307,7 @@ def test_decode_attention_equals_the_models_own_and_steps_aside_for_windows(tmp_
 
 
 def test_a_static_draft_may_differ_from_the_eager_one_only_by_near_ties():
-    from dflash.train.drafting import draft_disagreement
+    from dflash.train.evaluate.drafting import draft_disagreement
 
     logits = torch.tensor([[20.0, 19.9, 3.0], [1.0, 8.0, 7.999], [0.0, -5.0, 0.3]])
     assert draft_disagreement(torch.tensor([0, 1, 2]), logits) is None

@@ -1,4 +1,4 @@
-"""`dflash eval`'s report: one JSON schema on every run (train/eval.py's docstring), and the figures of each set
+"""`dflash eval`'s report: one JSON schema on every run (train/evaluate/eval.py's docstring), and the figures of each set
 and category of prompts (rows with `set` / `category`), as `dflash demo` prints them for its in-source and
 out-of-source prompts:
 
@@ -20,8 +20,8 @@ from click.testing import CliRunner
 sys.path.insert(0, os.path.dirname(__file__))
 from tiny import make_tiny_target, write_jsonl  # noqa: E402
 
-from dflash.train.decode import Decode
-from dflash.train.eval import SCHEMA, format_groups, group_method, groups
+from dflash.train.evaluate.decode import Decode
+from dflash.train.evaluate.eval import SCHEMA, format_groups, group_method, groups
 
 
 def dec(tokens, accepts, seconds):
@@ -100,8 +100,8 @@ def check_group(g, where, ngram=True):
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from dflash.train.checkpoint import save_drafter
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.drafter.checkpoint import save_drafter
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
     from dflash.core.target import load_config
 
     d = tmp_path_factory.mktemp("report")
@@ -151,12 +151,12 @@ def test_eval_report_schema_and_groups_on_a_tiny_target(tiny, monkeypatch):
         check_keys(rep[m], SPEC_KEYS, m)
         assert rep[m]["identical"] == rep[m]["outputs_identical"] == 8  # lossless in float32
     assert rep["target"]["speedup"] == 1.0 and rep["target"]["identical"] == 8 and rep["target"]["tau"] == 1.0
-    # the schema's description (train/eval.py's docstring, which `eval --help` points to) names every key it writes
+    # the schema's description (train/evaluate/eval.py's docstring, which `eval --help` points to) names every key it writes
     from dflash.train import eval as ev
     named = set(re.findall(r"[a-z_]+", ev.__doc__[ev.__doc__.index("The JSON report"):]))
     g = rep["sets"]["in-source"]
     keys = set(rep) | set(rep["dflash"]) | set(rep["target"]) | set(g) | set(g["dflash"])
-    assert keys - named == set(), f"keys of the report not described in train/eval.py: {sorted(keys - named)}"
+    assert keys - named == set(), f"keys of the report not described in train/evaluate/eval.py: {sorted(keys - named)}"
     # groups: the sets in the data's order, their categories, and categories over all prompts
     assert list(rep["sets"]) == ["in-source", "out-of-source"]
     assert list(rep["sets"]["in-source"]["categories"]) == ["chat", "code"]
@@ -205,7 +205,7 @@ def test_a_categorys_figures_are_an_eval_of_its_prompts_alone(tiny, monkeypatch)
 def test_prompts_are_decoded_round_robin_over_their_groups_and_reported_in_the_datas_order():
     """The eval's bar measures its rate on a mix from the first prompts on (16 short chitchat prompts before 4 long
     MT-Bench ones made its first ETA 12.7x too low); every prompt is decoded once."""
-    from dflash.train.eval import decode_order
+    from dflash.train.evaluate.eval import decode_order
 
     labels = [{"set": "in-source", "category": "chitchat"}] * 16 + [{"set": "out-of-source", "category": c}
                                                                     for c in ("writing", "math", "coding", "stem")]

@@ -1,6 +1,6 @@
 """`dflash export` writes --out whole or not at all, under its lock, and never deletes what dflash did not write.
 
-Coverage (train/export.py, train/export_dir.py; the serving semantics are tests/test_serving_contract.py's):
+Coverage (train/serve/export.py, train/serve/export_dir.py; the serving semantics are tests/test_serving_contract.py's):
 - a user's `OUT.tmp` (a directory with a file, or a plain file) beside --out is left as it was;
 - path forms as every command takes them (dflash/core/paths.py): DRAFTER, --out and --target as file:// URLs are the
   local paths they name; s3:// and memory:// for --out are one error line naming --out, and nothing is created;
@@ -66,7 +66,7 @@ def test_url_forms_of_the_paths(tmp_path, monkeypatch):
 
 
 def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
-    import dflash.train.export as export_module
+    import dflash.train.serve.export as export_module
 
     final = drafter(tmp_path / "final")
     ok("export", final, "--out", tmp_path / "exp")
@@ -87,7 +87,7 @@ def test_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
 CONCURRENT = """
 import shutil, sys, time
 from dflash.cli import main
-import dflash.train.export  # noqa: F401  (loaded before the start: the exports overlap)
+import dflash.train.serve.export  # noqa: F401  (loaded before the start: the exports overlap)
 copy = shutil.copyfile
 shutil.copyfile = lambda *a, **k: (time.sleep(1.0), copy(*a, **k))[1]  # weights of GBs take a while to copy
 time.sleep(max(0.0, float(sys.argv[1]) - time.time()))
@@ -133,7 +133,7 @@ def test_modes_follow_the_umask_as_the_help_says(tmp_path):
     assert stat.S_IMODE(os.stat(tmp_path / "exp").st_mode) == 0o700
     text = " ".join(CliRunner().invoke(cli_main, ["export", "--help"]).output.split())
     assert "world-readable" not in text and "0600 under 077" in text, text
-    import dflash.train.export as export_module
+    import dflash.train.serve.export as export_module
 
     assert "world-readable" not in export_module.__doc__ and "0600 under 077" in export_module.__doc__
 

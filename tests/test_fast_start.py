@@ -1,4 +1,4 @@
-"""The compiled step's start (train/compile_step.py), on CPU with inductor's C++ backend.
+"""The compiled step's start (train/fit/compile_step.py), on CPU with inductor's C++ backend.
 
 What is covered:
     even_chunk: as few chunks as the budget allows, of one shape when a nearby count divides the slots
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.train.loss import even_chunk
+from dflash.train.drafter.loss import even_chunk
 
 PY = sys.executable
 REPO = Path(__file__).resolve().parent.parent
@@ -42,10 +42,10 @@ def test_even_chunk():
 @pytest.mark.slow
 @pytest.mark.cxx
 def test_regions_step_equals_eager_and_compiles_the_chunk_once(monkeypatch):
-    import dflash.train.loss as loss
-    from dflash.train.compile_step import compile_step
-    from dflash.train.compile_check import compile_count
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    import dflash.train.drafter.loss as loss
+    from dflash.train.fit.compile_step import compile_step
+    from dflash.train.fit.compile_check import compile_count
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
     torch._dynamo.reset()
     monkeypatch.setattr(loss, "ce_chunk", lambda vocab, budget_bytes=0: 12)  # 2 rows x 8 anchors x 3 slots: 4 x 12
@@ -87,7 +87,7 @@ def test_regions_step_equals_eager_and_compiles_the_chunk_once(monkeypatch):
 # what it did and inductor's cache counters as one JSON line.
 COMPILE_ONCE = """
 import json, sys, torch
-from dflash.train.compile_step import CompileArtifacts, cache_counters
+from dflash.train.fit.compile_step import CompileArtifacts, cache_counters
 art = CompileArtifacts(sys.argv[1], {"what": sys.argv[2]})
 loaded = art.load()
 f = torch.compile(lambda x: torch.nn.functional.silu(x) * x.sum(-1, keepdim=True), dynamic=False, fullgraph=True)
@@ -125,7 +125,7 @@ def test_compile_artifacts_round_trip(tmp_path):
 
 def test_compile_artifacts_that_do_not_check_out_are_never_loaded(tmp_path, monkeypatch):
     """Another step, a damaged or truncated file, another torch: a note, and torch's loader is never called."""
-    from dflash.train.compile_step import CompileArtifacts
+    from dflash.train.fit.compile_step import CompileArtifacts
 
     art = tmp_path / "artifacts"
     saved = CompileArtifacts(str(art), {"what": "step-a"})

@@ -287,7 +287,7 @@ def test_ranks_of_a_follower_wait_for_the_shards_of_the_whole_global_batch(tmp_p
 def test_a_waiting_follower_reports_both_rates_as_soon_as_they_are_measured(monkeypatch):
     """The first report of a wait comes before any rate is known; the next one comes as soon as both are, not
     REPORT_S later; the closing line gives both. Clock, commits and the lock's holder are the test's own."""
-    import dflash.train.follow as f
+    import dflash.train.fit.follow as f
 
     clock = [100.0]
     monkeypatch.setattr(f.time, "monotonic", lambda: clock[0])
@@ -326,7 +326,7 @@ def test_a_waiting_follower_reports_both_rates_as_soon_as_they_are_measured(monk
 def test_a_follower_that_waited_only_at_its_start_closes_with_the_trainers_own_rate(monkeypatch):
     """A run whose one wait came before its first step measured no rate between two waits: the closing line gives
     the rate the trainer measured (its last log window), not "not measured"."""
-    import dflash.train.follow as f
+    import dflash.train.fit.follow as f
 
     clock = [0.0]
     monkeypatch.setattr(f.time, "monotonic", lambda: clock[0])

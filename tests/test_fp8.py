@@ -387,7 +387,7 @@ def test_a_changed_hidden_dtype_is_an_error_naming_it(env):
 
 
 def test_fuse_context_on_bytes_equals_fuse_context_on_values():
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
     cfg = DrafterConfig.named("tiny", target_layer_ids=[1, 2, 3], num_target_layers=6)  # K*H = 3 * 64
     m = DFlashDrafter(cfg)
@@ -400,7 +400,7 @@ def test_fuse_context_on_bytes_equals_fuse_context_on_values():
 
 
 def train(env, cache: str, out: Path, compile="off", steps=4, **kw) -> dict:
-    from dflash.train.trainer import TrainConfig, Trainer
+    from dflash.train.fit.trainer import TrainConfig, Trainer
 
     cfg = TrainConfig(cache=str(env["caches"][cache]), target=str(env["target"]), out=str(out), drafter_layers=1,
                       block_size=4, num_anchors=16, batch_rows=2, max_steps=steps, log_every=1, save_every=10 ** 9,

@@ -30,7 +30,7 @@ def _cli(*args, env=None):
 
 
 def test_flex_drafter_matches_sdpa_with_gradients():
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
     torch.manual_seed(0)
     cfg = DrafterConfig.named("tiny", block_size=8)
@@ -145,9 +145,9 @@ def test_graph_captured_decoding_equals_eager_decoding(assets):
     eval's StaticTarget."""
     from dflash.core.static_decode import StaticDecoder
     from dflash.core.target import load_causal_lm
-    from dflash.extract.generate import generate
-    from dflash.train.decode import NgramProposer, greedy, speculative
-    from dflash.train.verify import StaticTarget, Target
+    from dflash.extract.generation.generate import generate
+    from dflash.train.evaluate.decode import NgramProposer, greedy, speculative
+    from dflash.train.evaluate.verify import StaticTarget, Target
 
     _, target, _ = assets
     m = load_causal_lm(target, device=torch.device("cuda:0"), dtype=torch.float32).eval()
@@ -227,11 +227,11 @@ def test_dflash2_draft_step_in_a_cuda_graph_drafts_as_the_eager_one(assets):
     import random
 
     from dflash.core.target import load_causal_lm
-    from dflash.train.decode import greedy, speculative
-    from dflash.train.dflash2 import DFlash2Drafter
-    from dflash.train.dflash2_drafting import DFlash2Proposer
-    from dflash.train.model import DrafterConfig
-    from dflash.train.verify import Target
+    from dflash.train.evaluate.decode import greedy, speculative
+    from dflash.train.drafter.dflash2 import DFlash2Drafter
+    from dflash.train.evaluate.dflash2_drafting import DFlash2Proposer
+    from dflash.train.drafter.model import DrafterConfig
+    from dflash.train.evaluate.verify import Target
     from tests.test_dflash2_decoding import recording
 
     _, target, _ = assets

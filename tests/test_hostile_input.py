@@ -916,7 +916,7 @@ RUN_EDITS = {  # an edit of RUN/final/config.json after training -> what the che
 
 @pytest.mark.parametrize("how", list(RUN_EDITS))
 def test_a_run_final_is_checked_against_its_run_record(tmp_path, how):
-    from dflash.train.checkpoint import read_drafter_config
+    from dflash.train.drafter.checkpoint import read_drafter_config
 
     run = tmp_path / "run"
     final = _small_drafter(run)

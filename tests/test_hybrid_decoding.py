@@ -10,7 +10,7 @@ make_tiny_family); the reference is tests/workload.py hf_greedy over transformer
   back to the accepted prefix, not only the KV cache; outputs run past the sliding window;
 - `eval` (run_eval, an untrained drafter) reports tau, every output identical to the target's, and says once that
   the eager decoder runs;
-- the batch decoder of `regenerate` / `prompts` (extract/kind_engine.py via generate): prompts of several lengths
+- the batch decoder of `regenerate` / `prompts` (extract/generation/kind_engine.py via generate): prompts of several lengths
   (left padding), a batch of 2 refilled as rows finish (caches stacked and compacted), greedy = the reference;
   `regenerate` writes the target's greedy answers; the prompts sampler's greedy rows are the target's greedy text
   and its sampled rows do not depend on the batch size;
@@ -30,12 +30,12 @@ import torch
 from dflash.core.decode_state import layer_state, recorded_states
 from dflash.core.hybrid import layer_kinds
 from dflash.core.target import load_causal_lm, load_tokenizer
-from dflash.extract.generate import generate
-from dflash.train.checkpoint import save_drafter
-from dflash.train.decode import greedy, speculative
-from dflash.train.drafting import DFlashProposer
-from dflash.train.model import DFlashDrafter, DrafterConfig
-from dflash.train.verify import Target
+from dflash.extract.generation.generate import generate
+from dflash.train.drafter.checkpoint import save_drafter
+from dflash.train.evaluate.decode import greedy, speculative
+from dflash.train.evaluate.drafting import DFlashProposer
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
+from dflash.train.evaluate.verify import Target
 from tests.test_trust import cli, error_line
 from tests.tiny import FAMILIES, chat_rows, make_tiny_family, make_tiny_tokenizer, write_jsonl
 from tests.workload import hf_greedy
@@ -148,7 +148,7 @@ def test_speculative_decoding_rolls_every_layer_back_to_the_accepted_prefix(targ
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_eval_is_lossless_and_reports_tau(targets, family, work, capsys):
-    from dflash.train.eval import EvalConfig, run_eval
+    from dflash.train.evaluate.eval import EvalConfig, run_eval
 
     model, _ = models(targets, family)
     drafter = work / f"drafter-{family}"
@@ -181,7 +181,7 @@ def test_batched_greedy_generation_equals_the_targets_own(targets, family):
 def test_regenerate_writes_the_targets_greedy_answers(targets, family, work, capsys):
     """Every assistant turn of multi-turn conversations is the target's greedy answer to the conversation so far
     (earlier answers its own); on Qwen3.5 a turn may go on in its row (--continue-turns: continuation ids fed)."""
-    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.generation.regenerate import RegenerateConfig, run_regenerate
 
     model, ref_model = models(targets, family)
     tok = load_tokenizer(targets[family])
@@ -212,7 +212,7 @@ def test_regenerate_writes_the_targets_greedy_answers(targets, family, work, cap
 
 @pytest.mark.parametrize("family", ["qwen3_5_moe", "gpt_oss"])
 def test_the_prompts_sampler_decodes_the_targets_text(targets, family):
-    from dflash.extract.prompts import Sampler
+    from dflash.extract.generation.prompts import Sampler
 
     _, ref_model = models(targets, family)
     s = Sampler(targets[family], device="cpu", dtype="float32", batch_size=2)

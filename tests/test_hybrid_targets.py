@@ -249,8 +249,8 @@ def test_gpt_oss_drafter_rope_is_the_targets_yarn():
     and sin equal transformers' own rotary embedding of that config."""
     import transformers as tf
 
-    from dflash.train.model import DrafterConfig
-    from dflash.train.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
+    from dflash.train.drafter.model import DrafterConfig
+    from dflash.train.drafter.rope import rope_attention_factor, rope_cos_sin, rope_inv_freq
 
     cfg = tf.GptOssConfig()
     d = DrafterConfig.from_target(cfg, num_layers=2, layer_ids=[1, 6, 11, 16, 21], block_size=8, mask_token_id=200000)
@@ -274,8 +274,8 @@ def test_presets_shape_the_published_drafters(preset, config, params):
 
     from dflash.core.config import build, read_preset
     from dflash.extract.run import ExtractConfig
-    from dflash.train.config import TrainConfig, draft_layer_types
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.fit.config import TrainConfig, draft_layer_types
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
     ext = build(ExtractConfig, preset, "extract", {"target": "t", "data": "d", "out": "o"})
     tr = build(TrainConfig, preset, "train", {"target": "t", "cache": "c", "out": "o"})

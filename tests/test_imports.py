@@ -195,7 +195,7 @@ def test_the_static_check_catches_a_cross_stage_import_in_a_function_body(tmp_pa
     """The check above is not vacuous: a cross-stage import hidden in a function, an upward import from the bottom,
     a dflash import in the cache, and a top-level stage name are all found."""
     cases = {
-        ("extract", "from dflash.train.model import DFlashDrafter"): "never imports dflash.train",
+        ("extract", "from dflash.train.drafter.model import DFlashDrafter"): "never imports dflash.train",
         ("train", "from dflash.extract import data"): "never imports dflash.extract",
         ("core", "from dflash.cli import main"): "imports no command",
         ("core", "from dflash.train import trainer"): "imports no stage",
@@ -295,3 +295,30 @@ def test_no_import_circle():
 def test_the_circle_check_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
+
+
+# the rooms of each stage and the rooms each may import (the stage's own modules import within their room)
+ROOMS = {"train.drafter": set(), "train.evaluate": {"train.drafter"}, "train.serve": {"train.drafter"},
+         "train.fit": {"train.drafter", "train.serve", "train.evaluate"}, "extract": set(),
+         "extract.generation": {"extract"}}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] == ["dflash", "train"] and len(parts) > 3:
+        return "train." + parts[2]
+    if parts[:2] == ["dflash", "extract"]:
+        return "extract.generation" if len(parts) > 3 and parts[2] == "generation" else "extract"
+    return None
+
+
+def test_each_concern_is_a_folder_and_imports_point_one_way():
+    """train/ is four rooms (drafter, fit, evaluate, serve), extract/ two (extraction, generation): every module of
+    a stage lives in a room, and a room imports only the rooms below it."""
+    graph = import_graph()
+    flat = [m for m in graph if m.count(".") == 2 and m.startswith("dflash.train.")
+            and m.split(".")[2] not in ("drafter", "fit", "evaluate", "serve")]
+    assert flat == [], f"modules of train/ outside a room: {flat}"
+    bad = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                 if _room(a) and _room(b) and _room(a) != _room(b) and _room(b) not in ROOMS[_room(a)])
+    assert bad == [], "\n".join(bad)

@@ -79,7 +79,8 @@ def test_a_wheel_installed_in_a_fresh_venv_extracts_and_trains_outside_the_check
     tops = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert tops == {"dflash", "dflash_cache"}, tops  # no top-level extract/ train/ configs/
     assert {"dflash/configs/tiny.yaml", "dflash/configs/qwen3-8b.yaml", "dflash/extract/run.py",
-            "dflash/train/trainer.py", "dflash/core/target.py"} <= set(names)
+            "dflash/train/fit/trainer.py", "dflash/train/evaluate/eval.py", "dflash/train/serve/export.py",
+            "dflash/extract/generation/regenerate.py", "dflash/core/target.py"} <= set(names)
 
     # 2. a fresh virtualenv (no pip of its own: this interpreter's pip installs into it), heavy deps via .pth
     venv = tmp_path / "venv"
@@ -98,7 +99,7 @@ def test_a_wheel_installed_in_a_fresh_venv_extracts_and_trains_outside_the_check
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1",
                WANDB_MODE="disabled", TOKENIZERS_PARALLELISM="false")
-    probe = _run([vpy, "-c", "import importlib.util, json, dflash, dflash.train.trainer as t\n"
+    probe = _run([vpy, "-c", "import importlib.util, json, dflash, dflash.train.fit.trainer as t\n"
                   "from dflash.core.config import read_preset\n"
                   "print(json.dumps([dflash.__file__, t.__file__, importlib.util.find_spec('train') is None,\n"
                   "                  importlib.util.find_spec('extract') is None, read_preset('qwen3-8b', 'train')]))"],

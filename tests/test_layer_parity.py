@@ -20,8 +20,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.train.loss import slot_weights
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter.loss import slot_weights
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
 B = 8
 

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from dflash.core.layers import default_layer_ids
-from dflash.train.blocks import dense_block_mask, document_positions, make_blocks, make_blocks_opaque
-from dflash.train.checkpoint import load_drafter, save_drafter
-from dflash.train.loss import block_loss, slot_weights
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter.blocks import dense_block_mask, document_positions, make_blocks, make_blocks_opaque
+from dflash.train.drafter.checkpoint import load_drafter, save_drafter
+from dflash.train.drafter.loss import block_loss, slot_weights
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
 T = 96
 
@@ -106,7 +106,7 @@ def test_opaque_make_blocks_equals_make_blocks_eager_and_compiled():
     op's own checks (schema, fake tensors, no aliasing)."""
     from dataclasses import fields
 
-    from dflash.train.blocks import Blocks
+    from dflash.train.drafter.blocks import Blocks
 
     hidden, ids, lm, doc, scores = batch()
     args = (ids, lm, doc, scores, 12, 4, 511)
@@ -176,7 +176,7 @@ def test_blocks_are_isolated_behaviourally():
 
 def _packed_logits(m, hidden, ids, lm, doc, scores, N):
     """The packed forward's logits (same code path as forward_train, before the loss)."""
-    from dflash.train.model import rope_cos_sin
+    from dflash.train.drafter.model import rope_cos_sin
 
     cfg, R = m.cfg, ids.shape[0]
     B = cfg.block_size
@@ -192,7 +192,7 @@ def _packed_logits(m, hidden, ids, lm, doc, scores, N):
 
 
 # flex eagerly on CPU is this test's point (its loss against the dense path's); torch warns that an eager flex call
-# materialises every score, which is what the model's GPU path avoids by compiling it (train/blocks.py, _flex)
+# materialises every score, which is what the model's GPU path avoids by compiling it (train/drafter/blocks.py, _flex)
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile:UserWarning")
 @pytest.mark.parametrize("impl", ["sdpa", "flex"])
 def test_packed_forward_equals_single_block_inference(impl):
@@ -231,7 +231,7 @@ def test_sliding_window_layers_match_single_blocks():
     b = make_blocks(ids, lm, doc, scores, N, B, m.cfg.mask_token_id)
     with torch.no_grad():
         _, met = m.forward_train(hidden, ids, lm, doc, scores, N)
-        from dflash.train.model import rope_cos_sin
+        from dflash.train.drafter.model import rope_cos_sin
 
         R = 2
         ctx = m.fuse_context(hidden)
@@ -256,7 +256,7 @@ def test_loss_weights_and_metrics_by_hand():
     w = slot_weights(16, 7.0)
     assert w[0] == 0 and w[1] == 1 and torch.isclose(w[8], torch.exp(torch.tensor(-1.0)))
     # one block of B=4 (3 predicted slots); correct, correct, wrong -> accepted 2 -> tau 3
-    from dflash.train.blocks import Blocks
+    from dflash.train.drafter.blocks import Blocks
 
     V = 5
     labels = torch.tensor([[[0, 1, 2, 3]]])
@@ -350,7 +350,7 @@ def test_save_load_round_trip_and_servable_layout(tmp_path):
 
 def test_chunked_loss_equals_full_logits_reference():
     """The chunked linear-CE (no [slots, vocab] tensor) gives the reference loss, gradients and metrics."""
-    import dflash.train.loss as tm
+    import dflash.train.drafter.loss as tm
 
     m = tiny()
     hidden, ids, lm, doc, scores = batch()
@@ -382,7 +382,7 @@ def test_rope_frequencies_stay_float32_in_a_bf16_drafter():
     from transformers import Qwen3Config
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-    from dflash.train.model import rope_cos_sin, rope_inv_freq
+    from dflash.train.drafter.model import rope_cos_sin, rope_inv_freq
 
     cfg = DrafterConfig.named("tiny", rope_theta=1_000_000.0)
     m = DFlashDrafter(cfg).to(torch.bfloat16)
@@ -427,7 +427,7 @@ def test_flex_block_mask_equals_create_block_mask(R, T, N, B, window):
     create_block_mask builds from the same mask_mod: every index tensor, dtype and shape, its lengths and tile."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from dflash.train.blocks import flex_block_mask
+    from dflash.train.drafter.blocks import flex_block_mask
 
     ids, lm, doc, scores = _random_packed(R, T, seed=T)
     mine = flex_block_mask(make_blocks(ids, lm, doc, scores, N, B, 99), doc, window)
@@ -445,7 +445,7 @@ def test_flex_block_mask_equals_create_block_mask(R, T, N, B, window):
 def test_flex_block_mask_compiled_equals_eager():
     """Traced into a compiled graph (the step's case: mask_mod broadcast over the grid, the indices from the opaque
     op), the BlockMask's tensors equal the eager ones."""
-    from dflash.train.blocks import flex_block_mask
+    from dflash.train.drafter.blocks import flex_block_mask
 
     ids, lm, doc, scores = _random_packed(2, 300, seed=3)
     blocks = make_blocks(ids, lm, doc, scores, 12, 16, 99)
@@ -468,7 +468,7 @@ def test_windowed_flex_mask_reads_as_many_tiles_at_any_row_length():
     """A sliding layer's BlockMask keeps the tiles a block query reads flat in the row length: its window before the
     anchor and its own block, one document of 2,048 or of 8,192 tokens alike (full attention reads the whole
     prefix: 4x the tiles at 4x the length)."""
-    from dflash.train.blocks import flex_block_mask
+    from dflash.train.drafter.blocks import flex_block_mask
 
     def tiles(T: int, window: int | None) -> int:
         ids = torch.randint(0, 500, (1, T), generator=torch.Generator().manual_seed(0))

@@ -93,7 +93,7 @@ def tiny_target(tmp_path_factory):
 
 
 def test_regenerate_bar_counts_the_generated_tokens_and_ends_at_their_number(tiny_target, tmp_path, capsys):
-    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.generation.regenerate import RegenerateConfig, run_regenerate
 
     target = tiny_target
     data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(6, seed=2, turns=(1, 2)))
@@ -135,9 +135,9 @@ def test_each_cpu_stage_has_its_share_of_the_demo():
 @pytest.fixture(scope="module")
 def eval_report(tmp_path_factory):
     """A real eval report (run_eval on a tiny target and an untrained tiny drafter)."""
-    from dflash.train.checkpoint import save_drafter
-    from dflash.train.eval import EvalConfig, run_eval
-    from dflash.train.model import DFlashDrafter, DrafterConfig
+    from dflash.train.drafter.checkpoint import save_drafter
+    from dflash.train.evaluate.eval import EvalConfig, run_eval
+    from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
     from dflash.core.target import load_causal_lm
 
     root = tmp_path_factory.mktemp("report")
@@ -177,7 +177,7 @@ def _tree(root: Path) -> dict[str, tuple[int, bytes]]:
 
 
 def test_a_rerun_of_a_finished_demo_prints_the_stored_result_and_changes_nothing(tmp_path, eval_report):
-    from dflash.train.eval import format_report
+    from dflash.train.evaluate.eval import format_report
 
     work = tmp_path / "demo"
     paths = _finished_workdir(work, eval_report, DemoConfig(recipe="cpu").cpu())

@@ -136,9 +136,9 @@ def test_decoding_threads_are_one_on_a_cpu_unless_asked(monkeypatch):
 def test_each_decoding_command_runs_its_work_on_the_threads_chosen(command, tmp_path, monkeypatch):
     """The commands' own entry points, with the work replaced by a probe of torch's threads: --threads 3 gives 3,
     the default gives 1 on a CPU, and the count is restored after."""
-    import dflash.extract.prompts as prompts_mod
-    import dflash.extract.regenerate as regen_mod
-    import dflash.train.eval as eval_mod
+    import dflash.extract.generation.prompts as prompts_mod
+    import dflash.extract.generation.regenerate as regen_mod
+    import dflash.train.evaluate.eval as eval_mod
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     probe = {"eval": (eval_mod, "_run_eval", "run_eval", eval_mod.EvalConfig, dict(drafter="d", data="d")),

@@ -167,7 +167,7 @@ def test_kill_9_of_pipeline_ends_its_jobs_and_a_rerun_resumes(world, tmp_path):
 
 def test_follow_timeout_bounds_the_wait_for_a_cache_that_never_appears(world, tmp_path):
     """Before: a fixed 120 s whatever --follow-timeout said."""
-    from dflash.train.follow import ExtractionGone, Follower
+    from dflash.train.fit.follow import ExtractionGone, Follower
 
     t0 = time.monotonic()
     with pytest.raises(ExtractionGone, match="no `dflash extract` is writing one.*--follow-timeout 1"):

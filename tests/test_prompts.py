@@ -1,4 +1,4 @@
-"""`dflash prompts` (extract/prompts.py): user turns the target writes itself, for `dflash regenerate` to answer.
+"""`dflash prompts` (extract/generation/prompts.py): user turns the target writes itself, for `dflash regenerate` to answer.
 
   * the output: OUT/prompts.jsonl (the kept turns, in row order, as plain one-user-turn conversations)
     and its record OUT/dflash_prompts.json (settings, the target's identity, counts adding up to --num);
@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from dflash.extract.prompts import PARTS_DIR, PROMPTS_FILE, PromptsConfig, run_prompts
+from dflash.extract.generation.prompts import PARTS_DIR, PROMPTS_FILE, PromptsConfig, run_prompts
 from tests.test_trust import cli, error_line, ok
 from tests.tiny import make_tiny_target
 
@@ -62,7 +62,7 @@ def test_prompts_are_kept_by_rule_and_the_same_in_any_part_or_batch(tiny, tmp_pa
 def test_a_killed_run_resumes_with_the_parts_it_lacks_and_a_finished_one_is_kept(tiny, tmp_path, monkeypatch):
     whole, out = tmp_path / "whole", tmp_path / "out"
     run(tiny, whole, "--part-size", 10)
-    import dflash.extract.prompts as pr
+    import dflash.extract.generation.prompts as pr
 
     real, calls = pr.Sampler.rows, []
 

@@ -30,9 +30,9 @@ import speculators.models.dflash.core as spec_core  # noqa: E402
 from speculators.losses import dflash_loss_decay, loss_function  # noqa: E402
 from speculators.losses.eager import ce_loss, kl_div_loss, tv_loss  # noqa: E402
 
-import dflash.train.dflash2 as d2  # noqa: E402
-from dflash.train.dflash2 import DFlash2Drafter  # noqa: E402
-from dflash.train.model import DFlashDrafter, DrafterConfig  # noqa: E402
+import dflash.train.drafter.dflash2 as d2  # noqa: E402
+from dflash.train.drafter.dflash2 import DFlash2Drafter  # noqa: E402
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig  # noqa: E402
 
 ATOL = 2e-5
 RTOL_LOSS = 1e-5

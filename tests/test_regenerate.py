@@ -18,7 +18,7 @@ import torch
 from dflash.core.chat import DataError, load_chat_dataset
 from dflash.core.config import ConfigError
 from dflash.core.target import TargetError, load_causal_lm, load_tokenizer
-from dflash.extract.regenerate import (
+from dflash.extract.generation.regenerate import (
     META_NAME,
     Engine,
     RegenerateConfig,
@@ -105,7 +105,7 @@ def test_turns_that_go_on_in_their_row_equal_a_fresh_prefill_of_the_whole_contex
     sampled kept), then generates again. Every later turn equals greedy decoding of prompt + earlier answers + fed
     ids from scratch, whether the turn stopped at an end id or was cut, and whether the budget let it continue
     (refused: the caller queues the context as a new prompt)."""
-    from dflash.extract.generate import Continuation
+    from dflash.extract.generation.generate import Continuation
 
     rng = random.Random(7)
     prompts = _prompts(model, 14, seed=7, hi=30)
@@ -477,7 +477,7 @@ def test_default_engine_budget_counts_the_stack_transient():
     """The default KV budget leaves room for a slab's headroom and the stack of a prefill (peak ~2.5x)."""
     from transformers import LlamaConfig
 
-    from dflash.extract.generate import kv_bytes_per_token, plan_engine
+    from dflash.extract.generation.generate import kv_bytes_per_token, plan_engine
 
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3)
     per = kv_bytes_per_token(cfg, torch.float32)
@@ -573,7 +573,7 @@ def test_prompts_are_taken_longest_first_across_a_window_of_parts(tiny, tmp_path
     """The rows decoding together have similar lengths when the prompts of a window of parts are ordered longest first
     (SORT_WINDOW_BATCHES batches; one part at a time before): the batch's padded columns drop, the text does not
     change and every part is written."""
-    import dflash.extract.regenerate as regen
+    import dflash.extract.generation.regenerate as regen
 
     rows = chat_rows(48, seed=9, turns=(1, 1))
     for i, r in enumerate(rows):  # every fourth prompt long: one in each part of 4

@@ -4,12 +4,12 @@ A drafter trained on one distribution and served on another gets a worse tau whi
 green. Two things must hold for the same text:
 
 1. Context features. The hidden states that `dflash eval` captures while it decodes with a KV cache
-   (train/verify.py Target.forward with capture) equal those the extraction writes to the cache: through a
+   (train/evaluate/verify.py Target.forward with capture) equal those the extraction writes to the cache: through a
    real `dflash extract` (stored as bf16) and through the extraction's packed forward
    (extract/target.py PackedTarget.run, float32), for documents of several lengths, decoded token by token
    and block by block (blocks of random accepted lengths, the rest of each block rejected and cropped from
    the KV cache, as speculative decoding does).
-2. Drafter inputs. In real speculative decoding (train/decode.py speculative + train/drafting.py
+2. Drafter inputs. In real speculative decoding (train/evaluate/decode.py speculative + train/evaluate/drafting.py
    DFlashProposer), every block the drafter drafts -- its tokens, its positions, the context before the anchor
    (length and positions) -- is the block training builds for that anchor (DFlashDrafter.prepare), and the drafter's loss on the
    served logits equals the training loss for that anchor computed from the extraction's features. The
@@ -33,11 +33,11 @@ import dflash_cache
 from dflash.cli import main as cli_main
 from dflash.core.target import load_causal_lm, load_tokenizer
 from dflash.extract.target import PackedTarget
-from dflash.train.decode import speculative
-from dflash.train.drafting import DFlashProposer
-from dflash.train.verify import Target, crop_cache
-from dflash.train.loss import slot_weights
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.evaluate.decode import speculative
+from dflash.train.evaluate.drafting import DFlashProposer
+from dflash.train.evaluate.verify import Target, crop_cache
+from dflash.train.drafter.loss import slot_weights
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 from tests.tiny import _text, make_tiny_target, write_jsonl
 from tests.workload import hf_greedy
 

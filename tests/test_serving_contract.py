@@ -1,7 +1,7 @@
 """The serving contract: how each engine reads a drafter, pinned as tables, and `dflash export` / `dflash check`.
 
 Coverage:
-- each engine's reading rules (train/engines.py) as table tests, one table per engine, each naming the engine file and
+- each engine's reading rules (train/serve/engines.py) as table tests, one table per engine, each naming the engine file and
   commit its rules come from (SGLang and vLLM cannot be imported offline: they pull in serving stacks; speculators is
   also run for real in tests/test_speculators_client.py);
 - `dflash check` on a default drafter: every engine's reading named and equal to the trained semantics (exit 0);
@@ -25,9 +25,9 @@ import pytest
 from click.testing import CliRunner
 
 from dflash.cli import main as cli_main
-from dflash.train.checkpoint import save_drafter
-from dflash.train.engines import read, spread_ids
-from dflash.train.model import DFlashDrafter, DrafterConfig
+from dflash.train.drafter.checkpoint import save_drafter
+from dflash.train.serve.engines import read, spread_ids
+from dflash.train.drafter.model import DFlashDrafter, DrafterConfig
 
 BIDIR, BIDIR_W8, CAUSAL_W8 = (False, None), (False, 8), (True, 8)
 
@@ -99,7 +99,7 @@ SPECULATORS = [  # speculators 0.9.0: convert/dflash/converter.py, models/dflash
 ]
 
 
-SOURCES = {  # where each table's rules were read (train/engines.py says the same)
+SOURCES = {  # where each table's rules were read (train/serve/engines.py says the same)
     "SGLang": "sgl-project/sglang python/sglang/srt/speculative/dflash_utils.py @ 00731f0bc9fa81c39802754fb4b62e9cce967582",
     "vLLM": "vllm-project/vllm vllm/model_executor/models/qwen3_dflash.py @ 036a00d1f5d00d449d02dce9babdd15a5b4d06c9, "
             "vllm/v1/worker/gpu/spec_decode/eagle/eagle3_utils.py @ 0cfdd2e15d6991f354c6e22fd7f7e7577afe0424",
@@ -112,7 +112,7 @@ SOURCES = {  # where each table's rules were read (train/engines.py says the sam
 @pytest.mark.parametrize("engine,table", [("SGLang", SGLANG), ("vLLM", VLLM), ("TensorRT-LLM", TRTLLM),
                                           ("speculators", SPECULATORS)])
 def test_each_engine_reads_configs_by_its_own_rules(engine, table):
-    import dflash.train.engines as engines
+    import dflash.train.serve.engines as engines
 
     for commit in re.findall(r"[0-9a-f]{40}", SOURCES[engine]):  # the module names the same sources
         assert commit in engines.__doc__, commit

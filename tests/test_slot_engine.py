@@ -1,4 +1,4 @@
-"""The static-cache generation engine (extract/slot_engine.py: regenerate's and prompts' engine on a GPU) against
+"""The static-cache generation engine (extract/generation/slot_engine.py: regenerate's and prompts' engine on a GPU) against
 single-sequence greedy decoding and against the eager Engine, in float32 on CPU (the same code a GPU replays as
 CUDA graphs; tests/test_gpu.py replays them). Covered:
 
@@ -18,8 +18,8 @@ from collections import Counter
 import pytest
 
 from dflash.core.target import load_causal_lm
-from dflash.extract.generate import Continuation, Request, generate
-from dflash.extract.slot_engine import SlotEngine, plan_slots
+from dflash.extract.generation.generate import Continuation, Request, generate
+from dflash.extract.generation.slot_engine import SlotEngine, plan_slots
 from tests.test_regenerate import _prompts, _reference
 from tests.tiny import make_tiny_target
 
@@ -170,7 +170,7 @@ def test_prompts_are_padded_as_row_by_row():
     """slot_engine.padded (a prefill's ids built at once) gives the row-by-row tensor and the lengths."""
     import torch
 
-    from dflash.extract.slot_engine import padded
+    from dflash.extract.generation.slot_engine import padded
 
     rng = random.Random(7)
     prompts = [[rng.randrange(1, 50_000) for _ in range(rng.randint(1, 40))] for _ in range(37)]

@@ -92,7 +92,7 @@ def test_a_damaged_small_file_is_a_note_or_one_line(world, tmp_path, name, how):
 
 
 def _saved_artifacts(tmp_path, monkeypatch, payload: bytes = b"compiled state " * 100):
-    from dflash.train.compile_step import CompileArtifacts
+    from dflash.train.fit.compile_step import CompileArtifacts
 
     art = tmp_path / "artifacts"
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (payload, None))
@@ -106,7 +106,7 @@ def _saved_artifacts(tmp_path, monkeypatch, payload: bytes = b"compiled state " 
 def test_a_damaged_compile_record_is_set_aside_with_a_note(tmp_path, monkeypatch, how):
     """Before: a record that was a JSON list or null, or whose env was not an object, was an AttributeError at train
     start, and every rerun failed until the file was deleted by hand."""
-    from dflash.train.compile_step import CompileArtifacts
+    from dflash.train.fit.compile_step import CompileArtifacts
 
     saved = _saved_artifacts(tmp_path, monkeypatch)
     data_path, rec_path = map(Path, saved.paths)
@@ -130,7 +130,7 @@ def test_a_damaged_compile_record_is_set_aside_with_a_note(tmp_path, monkeypatch
 
 def test_a_checked_payload_torch_cannot_read_is_reported_as_ignored(tmp_path, monkeypatch):
     """Before: "loaded ... (checked)" was printed although torch rejected the payload (it returns None and logs)."""
-    from dflash.train.compile_step import CompileArtifacts
+    from dflash.train.fit.compile_step import CompileArtifacts
 
     saved = _saved_artifacts(tmp_path, monkeypatch, payload=b"not a torch payload")  # size and checksum match
     art = CompileArtifacts(saved.dir, {"what": "step-a"})

@@ -37,7 +37,7 @@ pytest.importorskip("speculators", reason="speculators 0.9.0 is installed by `ma
 
 from dflash.cli import main as cli_main  # noqa: E402
 from dflash.core.target import LayerCapture, load_causal_lm  # noqa: E402
-from dflash.train.checkpoint import load_drafter  # noqa: E402
+from dflash.train.drafter.checkpoint import load_drafter  # noqa: E402
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl  # noqa: E402
 
 ATOL = 1e-4  # float32 logits of the same computation in two code bases (measured 1.8e-7)
@@ -174,8 +174,8 @@ def dflash2_final(run, tmp_path_factory):
     and selector moved away from their identity start, so that a reader that drops them drafts otherwise."""
     import dataclasses
 
-    from dflash.train.checkpoint import read_drafter_config, save_drafter
-    from dflash.train.dflash2 import DFlash2Drafter
+    from dflash.train.drafter.checkpoint import read_drafter_config, save_drafter
+    from dflash.train.drafter.dflash2 import DFlash2Drafter
 
     cfg = dataclasses.replace(read_drafter_config(run["final"]), arch="dflash2", conv_kernel_size=2,
                               conv_group_size=16, selector_rank=8, selector_top_k=4)

@@ -21,9 +21,9 @@ import torch
 
 from dflash.core.static_decode import StaticDecoder, unsupported
 from dflash.core.target import load_causal_lm, load_tokenizer
-from dflash.train.decode import NgramProposer, greedy, speculative
-from dflash.train.drafting import DFlashProposer
-from dflash.train.verify import StaticTarget
+from dflash.train.evaluate.decode import NgramProposer, greedy, speculative
+from dflash.train.evaluate.drafting import DFlashProposer
+from dflash.train.evaluate.verify import StaticTarget
 from tests.test_decoding import BLOCK, LAYERS, Oracle, drafter_for, prompts
 from tests.tiny import make_tiny_target
 from tests.workload import hf_greedy

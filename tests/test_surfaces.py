@@ -50,11 +50,11 @@ def _env(**extra) -> dict[str, str]:
 
 
 def _sections():
-    from dflash.extract.prompts import PromptsConfig
-    from dflash.extract.regenerate import RegenerateConfig
+    from dflash.extract.generation.prompts import PromptsConfig
+    from dflash.extract.generation.regenerate import RegenerateConfig
     from dflash.extract.run import ExtractConfig
-    from dflash.train.eval import EvalConfig
-    from dflash.train.trainer import TrainConfig
+    from dflash.train.evaluate.eval import EvalConfig
+    from dflash.train.fit.trainer import TrainConfig
 
     # section -> (config class, the required settings a preset leaves to the command line)
     return {
@@ -140,7 +140,7 @@ def _snapshot(out: Path) -> dict[str, str]:
 
 
 def test_regenerate_on_two_ranks_writes_what_one_process_writes(tiny_target, tmp_path):
-    from dflash.extract.regenerate import RegenerateConfig, read_meta, run_regenerate
+    from dflash.extract.generation.regenerate import RegenerateConfig, read_meta, run_regenerate
 
     data = write_jsonl(tmp_path / "chats.jsonl", chat_rows(10, seed=4, turns=(1, 2)))
     flags = {"max_new_tokens": 8, "part_size": 2, "batch_size": 3, "temperature": 0.9, "seed": 5}

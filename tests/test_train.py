@@ -41,8 +41,8 @@ from click.testing import CliRunner
 import dflash_cache
 from dflash.cli import main as cli_main
 from dflash.core.config import ConfigError
-from dflash.train.checkpoint import load_drafter
-from dflash.train.trainer import TrainConfig, lr_at, resolve_mask_token_id
+from dflash.train.drafter.checkpoint import load_drafter
+from dflash.train.fit.trainer import TrainConfig, lr_at, resolve_mask_token_id
 from tests.tiny import chat_rows, make_tiny_target, make_tiny_tokenizer, write_jsonl
 from tests.workload import slowed_steps
 
@@ -246,11 +246,11 @@ def test_compiled_matches_eager_with_no_recompiles(env, tmp_path, monkeypatch):
 def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypatch):
     """What the 8B shape has and the run above lacks: bf16 weights, an untied LM head, GQA 4:1, B = 16 and a
     cross-entropy over several chunks (forced to 256 slots each). Eager and compiled agree on CPU."""
-    import dflash.train.loss as loss
-    import dflash.train.model as model
+    import dflash.train.drafter.loss as loss
+    import dflash.train.drafter.model as model
     from bench.common import random_target_dir
     from bench.train import synthetic_cache
-    from dflash.train.trainer import Trainer, TrainConfig
+    from dflash.train.fit.trainer import Trainer, TrainConfig
 
     monkeypatch.setattr(loss, "ce_chunk", lambda vocab, budget_bytes=0: 256)  # 2 rows x 32 anchors x 15 slots: 4 chunks
     shape = dict(vocab_size=8000, hidden_size=256, intermediate_size=512, num_hidden_layers=8, num_attention_heads=8,
@@ -278,7 +278,7 @@ def test_compiled_matches_eager_bf16_untied_gqa_chunked_loss(tmp_path, monkeypat
 def test_a_compiled_step_that_disagrees_with_eager_is_replaced_by_the_eager_one(env, tmp_path, capsys):
     """The first-batch check catches a compiled step whose gradients are wrong (here: its loss scaled by 1.3, as a
     faulty graph would do) and the run continues eagerly: the same trajectory as an eager run, said out loud."""
-    from dflash.train.trainer import Trainer
+    from dflash.train.fit.trainer import Trainer
 
     cache, target = env["cache"], env["target"]
     common = dict(cache=str(cache), target=str(target), drafter_layers=1, block_size=4, num_anchors=16, batch_rows=2,
@@ -307,7 +307,7 @@ def test_a_compiled_step_that_disagrees_with_eager_is_replaced_by_the_eager_one(
 
 def test_no_compile_check_flag(env, tmp_path):
     """--no-compile-check skips the check (the summary says so) and is part of `dflash train --help`."""
-    from dflash.train.trainer import Trainer
+    from dflash.train.fit.trainer import Trainer
 
     p = dflash("train", "--help")
     assert "--no-compile-check" in p.stdout

@@ -21,12 +21,12 @@ import pytest
 import torch
 
 import dflash_cache
-from dflash.train.blocks import anchor_positions
-from dflash.train.checkpoint import load_drafter
-from dflash.train.dflash2 import DFlash2Drafter
-from dflash.train.dflash2_drafting import greedy_selector_path
-from dflash.train.target_head import load_target_head
-from dflash.train.validate import Validator
+from dflash.train.drafter.blocks import anchor_positions
+from dflash.train.drafter.checkpoint import load_drafter
+from dflash.train.drafter.dflash2 import DFlash2Drafter
+from dflash.train.evaluate.dflash2_drafting import greedy_selector_path
+from dflash.train.drafter.target_head import load_target_head
+from dflash.train.fit.validate import Validator
 from tests.test_train import (SEQ, assert_clean_error, cli, dflash, kill_when, latest_step, logged_steps, losses,
                               metrics, ok, read_json, weights)
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl

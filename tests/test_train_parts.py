@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from dflash.train.metrics import TrainMetrics
-from dflash.train.schedule import peak_flops
+from dflash.train.fit.metrics import TrainMetrics
+from dflash.train.fit.schedule import peak_flops
 
 
 @pytest.mark.parametrize("name, peak", [("NVIDIA H200", 989e12), ("NVIDIA H100 80GB HBM3", 989e12),

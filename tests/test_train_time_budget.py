@@ -1,4 +1,4 @@
-"""`dflash train --time-budget` (train/time_budget.py) on CPU, on the real cache and CLI of tests/test_train.py:
+"""`dflash train --time-budget` (train/fit/time_budget.py) on CPU, on the real cache and CLI of tests/test_train.py:
 
     the steps are decided from the step time measured over the probe (steps slowed by a known sleep): total =
         max(steps done, floor(budget / step time)), recorded in run.json and summary.json, one line printed, the
@@ -23,9 +23,9 @@ import time
 
 import pytest
 
-from dflash.train.config import parse_duration
-from dflash.train.time_budget import REVISE_AT, TimeBudget, latest_span, latest_step_s, read_record, total_at
-from dflash.train.trainer import TrainConfig, lr_at
+from dflash.train.fit.config import parse_duration
+from dflash.train.fit.time_budget import REVISE_AT, TimeBudget, latest_span, latest_step_s, read_record, total_at
+from dflash.train.fit.trainer import TrainConfig, lr_at
 from tests.test_train import PY, REPO, _env, assert_clean_error, base, cli, env, kill_when, latest_step  # noqa: F401
 from tests.test_train import logged_steps, metrics, ok, read_json
 
@@ -33,7 +33,7 @@ from tests.test_train import logged_steps, metrics, ok, read_json
 def slow_steps(monkeypatch, seconds: float, after: tuple[int, float] | None = None) -> None:
     """Every micro-step of an in-process run slowed by `seconds` (tests/workload.py slowed_steps, in this process);
     after = (step, s): by s instead from that optimizer step on."""
-    import dflash.train.trainer as t
+    import dflash.train.fit.trainer as t
 
     scores = t.Trainer.anchor_scores
 
@@ -134,7 +134,7 @@ def test_revisions_bring_the_training_time_to_the_budget_when_the_step_time_chan
 def test_validations_within_the_probe_are_not_step_time(env, tmp_path, monkeypatch):
     """A checkpoint (and its validation, slowed to 1 s) at step 5, inside the probe (steps 4-8): the step time the
     run decides on leaves it out (with it, ~0.2 s more a step)."""
-    import dflash.train.validate as validate
+    import dflash.train.fit.validate as validate
 
     slow_steps(monkeypatch, 0.02)
     called = validate.Validator.__call__
@@ -205,7 +205,7 @@ def test_a_resumed_process_replays_the_recorded_revisions_then_makes_the_rest(tm
     its probe (steps 4-7), revises at half its total and is killed; the resumed one, from a checkpoint before that
     revision, has the decision's total there, takes the revision's at its step (not measured again), then makes the
     revision at nine tenths itself from its own steps and the time before it."""
-    from dflash.train.time_budget import TimeBudget
+    from dflash.train.fit.time_budget import TimeBudget
 
     (tmp_path / "run.json").write_text(json.dumps({"dflash": "train", "config": {}}))
     out = str(tmp_path)

@@ -491,12 +491,12 @@ def test_json_output_checked_before_the_work(env, tmp_path, where):
 
 def test_unexpected_exceptions_keep_their_traceback(env, tmp_path, monkeypatch):
     """Only known errors become one line: a bug still shows where it is."""
-    import dflash.train.trainer
+    import dflash.train.fit.trainer
 
     def boom(cfg):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(dflash.train.trainer, "run_train", boom)
+    monkeypatch.setattr(dflash.train.fit.trainer, "run_train", boom)
     r = CliRunner().invoke(cli_main, [str(a) for a in train_args(env, tmp_path / "r")])
     assert isinstance(r.exception, KeyError)
 

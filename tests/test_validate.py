@@ -1,4 +1,4 @@
-"""`dflash train --val-cache`: held-out loss, decoding and expected tau at every checkpoint (train/validate.py).
+"""`dflash train --val-cache`: held-out loss, decoding and expected tau at every checkpoint (train/fit/validate.py).
 
 A tiny target, a training cache and a held-out cache from other conversations, both by the real `dflash extract`.
 What is checked: the records at the checkpoint steps carry the held-out metrics, summary.json the last of them;
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 import dflash_cache
-from dflash.train.checkpoint import load_drafter
-from dflash.train.target_head import load_target_head
-from dflash.train.validate import Validator, anchor_positions, decode_walk
+from dflash.train.drafter.checkpoint import load_drafter
+from dflash.train.drafter.target_head import load_target_head
+from dflash.train.fit.validate import Validator, anchor_positions, decode_walk
 from tests.test_train import SMALL, assert_clean_error, cli, dflash, metrics, ok, read_json, weights
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 

@@ -27,7 +27,7 @@ SEQ = 128
 NUM_ANCHORS = 6
 # one label per block: every block of a valid anchor has weight w_1, whatever the anchor. Attention through
 # dense SDPA: these runs compare batch compositions, not attention kernels. The CPU default (--attn split,
-# train/attention.py, equal to SDPA in tests/test_attention.py) groups its float32 sums per row and chunk,
+# train/drafter/attention.py, equal to SDPA in tests/test_attention.py) groups its float32 sums per row and chunk,
 # which after four AdamW steps moves weights by ~3e-5 between batch shapes, above the tolerance derived here.
 PAIRED = ["--drafter-layers", "1", "--block-size", "2", "--num-anchors", str(NUM_ANCHORS), "--lr", "3e-3",
           "--attn", "sdpa", "--log-every", "1", "--seed", "1", "--no-progress"]
@@ -64,7 +64,7 @@ def make_workload(root: Path) -> dict:
 
 def hf_greedy(model, prompt: list[int], max_new: int, eos: set[int] = frozenset()) -> list[int]:
     """Greedy decoding straight over the HF model, recomputing the whole sequence at every token: no KV
-    cache, no dflash wrapper, nothing shared with train/decode.py or verify.py. Stops after an eos id or max_new tokens."""
+    cache, no dflash wrapper, nothing shared with train/evaluate/decode.py or verify.py. Stops after an eos id or max_new tokens."""
     import torch
 
     ids, out = list(prompt), []
@@ -83,7 +83,7 @@ def slowed_steps(seconds: float) -> str:
     untouched): the start of a child process's script, so that a SIGKILL lands between two steps."""
     return f"""
 import sys, time
-import dflash.train.trainer as t
+import dflash.train.fit.trainer as t
 _scores = t.Trainer.anchor_scores
 def slow(self, *a):
     time.sleep({seconds})

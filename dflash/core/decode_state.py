@@ -98,7 +98,7 @@ def layer_state(cache, i: int) -> tuple[torch.Tensor | None, torch.Tensor | None
 
 
 # ------------------------------------------------------------------------------------------------ batch rows
-# The eager batch decoder (extract/kind_engine.py) keeps rows left-padded to one width: the attention layers' keys
+# The eager batch decoder (extract/generation/kind_engine.py) keeps rows left-padded to one width: the attention layers' keys
 # right-aligned (padding columns masked by the 2D attention mask), the linear layers' states per row.
 
 

@@ -3,7 +3,7 @@ same cache as the DFlash drafter for the same training time, evaluated by the sa
 
 Equal training time: the DFlash drafter trains its steps (the preset's compare_max_steps, else its train max_steps);
 the second drafter then trains with `dflash train --time-budget` = DFlash's training time (equal_time_budget) and the
-preset's schedule otherwise, so it gets the steps that time buys (train/time_budget.py decides them from its step
+preset's schedule otherwise, so it gets the steps that time buys (train/fit/time_budget.py decides them from its step
 time). What the comparison adds to WORKDIR/summary.json, under "compare" (compare_summary), and to the printed
 summary (a table, format_compare):
 
@@ -68,7 +68,7 @@ def compare_run(workdir: str, arch: str) -> str:
 def train_time(run: str) -> dict[str, Any]:
     """The training time of the run in RUN, from its trainer's summary.json (the last process that trained it) and
     RUN/metrics.jsonl (module docstring). steps_timed: the steps that process made (all of them unless resumed)."""
-    from dflash.train.run_dir import read_metrics
+    from dflash.train.fit.run_dir import read_metrics
 
     s = read_dict(os.path.join(run, "summary.json")) or {}
     elapsed = s.get("elapsed_s")
@@ -113,7 +113,7 @@ def dflash2_train_seconds(dflash_steps: int, save_every: int | None, validation:
 
 def graphs_note(ev: dict[str, Any]) -> str:
     """Eval's own line saying which models ran as CUDA graphs ("speed-ups with target and drafter in CUDA graphs")."""
-    from dflash.train.eval import format_report
+    from dflash.train.evaluate.eval import format_report
 
     return next(ln for ln in format_report(ev).splitlines() if ln.startswith("speed-ups with"))
 

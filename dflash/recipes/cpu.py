@@ -121,7 +121,7 @@ def run_cpu_demo(cfg: DemoConfig) -> dict[str, Any]:
     paths = cpu_paths(cfg.workdir, cfg.responses)
     stored = stored_result(paths["summary"], cpu_settings(cfg), "settings", [paths["eval"]])
     if stored is not None:
-        from dflash.train.eval import format_report
+        from dflash.train.evaluate.eval import format_report
 
         summary, (ev,) = stored
         show_stored("demo", paths["summary"], summary, cfg.workdir)
@@ -140,9 +140,9 @@ def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str)
     # module for CPU_SIZES) starts without it
     from dflash.extract.run import ExtractConfig, run_extract
     from dflash.core.target import convert_gguf
-    from dflash.train.eval import EvalConfig, format_report, run_eval
-    from dflash.train.run_dir import read_metrics
-    from dflash.train.trainer import TrainConfig, run_train
+    from dflash.train.evaluate.eval import EvalConfig, format_report, run_eval
+    from dflash.train.fit.run_dir import read_metrics
+    from dflash.train.fit.trainer import TrainConfig, run_train
 
     plan = cpu_stage_plan(cfg)
     print(first_line(plan), flush=True)
@@ -214,7 +214,7 @@ def _run_cpu_stages(cfg: DemoConfig, paths: dict[str, str], tokenize_cache: str)
 
 
 def _regenerate(cfg: DemoConfig, target: str, data: str) -> str:
-    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.generation.regenerate import RegenerateConfig, run_regenerate
 
     out = os.path.join(cfg.workdir, "regenerated")
     run_regenerate(RegenerateConfig(target=target, data=data, out=out, max_new_tokens=cfg.regen_max_new_tokens,

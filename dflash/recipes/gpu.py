@@ -145,7 +145,7 @@ def gpu_request(preset: str, device: str, target: str | None, train_overrides: d
 
 def show_reports(reports: dict[str, dict], named: bool) -> None:
     """Print the eval reports ({path: report}), each headed by its path when `named` (a comparison's two drafters)."""
-    from dflash.train.eval import format_report
+    from dflash.train.evaluate.eval import format_report
 
     for path, ev in reports.items():
         if named:

@@ -97,7 +97,7 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     val_cache): called just before the main extraction starts, the validation data being made first (the recipe's
     `follow`: it starts the trainer that follows the extraction); last_hidden: both caches hold the target's last
     hidden state too (extract --last-hidden: what a DFlash2 drafter trains and validates against)."""
-    from dflash.extract.regenerate import RegenerateConfig, run_regenerate
+    from dflash.extract.generation.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
     recipe = load_recipe(preset)
@@ -188,8 +188,8 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     in the first dtype when ngram is True; eval_overrides are EvalConfig fields (e.g. draft_graph); stages: prints
     each stage's line as it starts; label names the stages and their timings ("train LABEL", "eval DTYPE LABEL": a
     second drafter's). Returns {"train": summary, "eval": {dtype: report}}."""
-    from dflash.train.eval import EvalConfig, run_eval
-    from dflash.train.trainer import TrainConfig, run_train
+    from dflash.train.evaluate.eval import EvalConfig, run_eval
+    from dflash.train.fit.trainer import TrainConfig, run_train
 
     recipe = load_recipe(preset)
     timings = timings if timings is not None else {}

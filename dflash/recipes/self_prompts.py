@@ -10,7 +10,7 @@ are such turns: MT-Bench tau 1.83 against 1.48 without them (BENCHMARKS.md, "GPU
 
     convs, record = self_prompts(workdir, target, recipe, device)   # [Conversation("self:00042", [user, ""]), ...]
 
-Sampling is `dflash prompts`' (extract/prompts.py: prefix_of, sample, keep; SmolLM2's prefix carries its default
+Sampling is `dflash prompts`' (extract/generation/prompts.py: prefix_of, sample, keep; SmolLM2's prefix carries its default
 system prompt): row i's text depends on neither the batch nor the device count. Kept: turns that ended on their own
 (an end-of-sequence id within self_prompt_tokens), not empty once stripped, the first of equal ones. A kept turn's
 key is its row ("self:00042"): the recipe's split by a hash of the key holds some out as in-source eval prompts, like
@@ -46,7 +46,7 @@ def self_prompts(workdir: str, target: str, recipe, device: str = "auto",
     """The self source's conversations (one user turn each, an empty answer for `regenerate` to write) and its
     record: read from WORKDIR/data when sampled before with the same settings and target, else sampled and
     written there (module docstring)."""
-    from dflash.extract.prompts import keep, sample, target_identity  # (the stage, when the recipe samples)
+    from dflash.extract.generation.prompts import keep, sample, target_identity  # (the stage, when the recipe samples)
 
     d = os.path.join(workdir, "data")
     record_path, prompts_path = os.path.join(d, RECORD), os.path.join(d, PROMPTS)

@@ -116,7 +116,7 @@ def drafter_figures(run: str, tr: dict[str, Any], evals: dict[str, dict]) -> dic
     """One drafter's part of the GPU summary: "train" (from its trainer's summary `tr` and RUN/metrics.jsonl, which
     holds every logged window across resumes), "eval" ({dtype: figures of its report}) and "bars" (on the first
     dtype's report)."""
-    from dflash.train.run_dir import read_metrics
+    from dflash.train.fit.run_dir import read_metrics
 
     hist = tr.get("history") or []
     last = hist[-1] if hist else {}
