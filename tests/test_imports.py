@@ -59,7 +59,7 @@ def _stage(module: str) -> str | None:
 @pytest.mark.parametrize("stage,other", [("extract", "train"), ("train", "extract")])
 def test_importing_a_stage_never_loads_the_other_stage_nor_a_command(stage, other):
     loaded = _loaded_after_importing(_modules(f"dflash.{stage}", STAGES[stage]))
-    assert f"dflash.{stage}.run" in loaded or f"dflash.{stage}.trainer" in loaded  # the stage itself was imported
+    assert f"dflash.{stage}.run" in loaded or f"dflash.{stage}.fit.trainer" in loaded  # the stage itself was imported
     assert not [m for m in loaded if _stage(m) == other], f"dflash.{stage} loads dflash.{other}: {loaded}"
     assert not COMMANDS & set(loaded), f"dflash.{stage} loads a command module: {sorted(COMMANDS & set(loaded))}"
     assert not [m for m in loaded if m.split(".")[0] in ("extract", "train")], f"top-level stage names loaded: {loaded}"
@@ -145,7 +145,8 @@ def _imported_modules(path: Path, rel: Path) -> list[tuple[int, str]]:
                     if m.group(1).split(".")[0] in STAGES]
             first = node.value.split(".")[0]
             if first in STAGES and "." in node.value and node.value.replace(".", "").replace("_", "").isalnum():
-                if (STAGES[first] / (node.value.split(".")[1] + ".py")).exists():
+                second = STAGES[first] / node.value.split(".")[1]
+                if second.with_suffix(".py").exists() or (second / "__init__.py").exists():
                     out.append((node.lineno, node.value))
     return out
 
@@ -201,8 +202,8 @@ def test_the_static_check_catches_a_cross_stage_import_in_a_function_body(tmp_pa
         ("core", "from dflash.train import trainer"): "imports no stage",
         ("dflash_cache", "from dflash.core.errors import DflashError"): "imports nothing of dflash",
         ("train", "from %s.target import load_config" % "extract"): "top-level stage name",
-        ("core", "importlib.import_module('%s.trainer')" % "train"): "top-level stage name",
-        ("core", 'SCRIPT = """\n%s train.trainer as t\n"""' % "import"): "top-level stage name",
+        ("core", "importlib.import_module('%s.fit.trainer')" % "train"): "top-level stage name",
+        ("core", 'SCRIPT = """\n%s train.fit.trainer as t\n"""' % "import"): "top-level stage name",
     }
     folders = {"extract": Path("extract"), "train": Path("train"), "core": Path("dflash/core"),
                "dflash_cache": Path("dflash_cache")}
@@ -298,17 +299,17 @@ def test_the_circle_check_finds_a_circle():
 
 
 # the rooms of each stage and the rooms each may import (the stage's own modules import within their room)
-ROOMS = {"train.drafter": set(), "train.evaluate": {"train.drafter"}, "train.serve": {"train.drafter"},
-         "train.fit": {"train.drafter", "train.serve", "train.evaluate"}, "extract": set(),
-         "extract.generation": {"extract"}}
+ROOMS = {"train/drafter": set(), "train/evaluate": {"train/drafter"}, "train/serve": {"train/drafter"},
+         "train/fit": {"train/drafter", "train/serve", "train/evaluate"}, "extract": set(),
+         "extract/generation": {"extract"}}
 
 
 def _room(module: str) -> str | None:
     parts = module.split(".")
     if parts[:2] == ["dflash", "train"] and len(parts) > 3:
-        return "train." + parts[2]
+        return "train/" + parts[2]
     if parts[:2] == ["dflash", "extract"]:
-        return "extract.generation" if len(parts) > 3 and parts[2] == "generation" else "extract"
+        return "extract/generation" if len(parts) > 3 and parts[2] == "generation" else "extract"
     return None
 
 
