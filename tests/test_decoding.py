@@ -209,7 +209,7 @@ def test_the_drafters_context_after_acceptances_is_the_confirmed_text(tiny, grap
 def test_the_compiled_static_draft_step_drafts_as_the_uncompiled_one(tiny, monkeypatch, capsys):
     """StaticDraft(compiled=True), a GPU's default before the capture: the step through torch.compile drafts what
     the uncompiled step drafts, decoding stays lossless; should it fail to compile, it runs uncompiled, said once."""
-    from dflash.train import drafting
+    from dflash.train.evaluate import drafting
     from tests.test_dflash2_decoding import recording
 
     t = Target(tiny["model"], LAYERS)

@@ -152,7 +152,7 @@ def test_eval_report_schema_and_groups_on_a_tiny_target(tiny, monkeypatch):
         assert rep[m]["identical"] == rep[m]["outputs_identical"] == 8  # lossless in float32
     assert rep["target"]["speedup"] == 1.0 and rep["target"]["identical"] == 8 and rep["target"]["tau"] == 1.0
     # the schema's description (train/evaluate/eval.py's docstring, which `eval --help` points to) names every key it writes
-    from dflash.train import eval as ev
+    from dflash.train.evaluate import eval as ev
     named = set(re.findall(r"[a-z_]+", ev.__doc__[ev.__doc__.index("The JSON report"):]))
     g = rep["sets"]["in-source"]
     keys = set(rep) | set(rep["dflash"]) | set(rep["target"]) | set(g) | set(g["dflash"])

@@ -129,7 +129,7 @@ def test_steps_read_each_rows_own_columns_where_few_of_the_spans_are_real(model,
     faster there (the Triton kernel is faster even then: its share is unbounded). Either
     way the text is a single sequence's. The kernel's CPU stand-in: tests/test_static_decode.py."""
     from dflash.core import static_decode as sd
-    from dflash.extract import slot_engine
+    from dflash.extract.generation import slot_engine
     from tests.test_static_decode import flash_varlen_reference
 
     monkeypatch.setattr(sd, "varlen_kernel", lambda *a: "flash")
