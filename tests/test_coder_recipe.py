@@ -215,3 +215,116 @@ def test_the_real_models_are_pinned():
     assert all(len(m.sha256) == 64 and int(m.sha256, 16) for m in (small, large))
     with pytest.raises(ca.CoderAssetError, match="--model: '3b' is not a coder model"):
         ca.model("3b")
+
+
+# ------------------------------------------------------------------------------------------------ the recipe
+
+STAGES = ["prepare target", "self prompts", "data", "regenerate", "validation data", "extract", "train",
+          "eval bfloat16", "eval float32"]
+
+
+def test_the_coder_recipes_stage_plan_as_dflash_demo_would_run_it():
+    from dflash.recipes.coder import coder_stage_seconds
+    from dflash.recipes.gpu import GPU_STAGE_SECONDS, gpu_stage_plan
+    from dflash.recipes.gpu_config import load_recipe
+
+    small, large = gpu_stage_plan("demo-gpu-coder"), gpu_stage_plan("demo-gpu-coder-1.5b")
+    assert list(small.seconds) == list(large.seconds) == STAGES  # self prompts first; validation data before the
+    # extraction the trainer follows; both evals last
+    assert small.seconds == {k: coder_stage_seconds("0.5b")[k] for k in STAGES}
+    total = sum(small.seconds.values())
+    assert 20 * 60 < total < 25 * 60 < 30 * 60 < sum(large.seconds.values())  # the 0.5b fits a 30-minute machine
+    assert all(large.seconds[k] > small.seconds[k] for k in STAGES if k != "data")
+    assert max(small.seconds, key=small.seconds.get) == "train" and sum(GPU_STAGE_SECONDS.values()) < total
+    assert small.line("regenerate") == f"demo: [4/9] regenerate  (~{round(100 * small.seconds['regenerate'] / total)}% of the demo)"
+    # training scales with a --train-steps override, the rest stays
+    half = gpu_stage_plan("demo-gpu-coder-1.5b", {"max_steps": 500})
+    assert half.seconds["train"] == pytest.approx(large.seconds["train"] / 2)
+    assert {k: v for k, v in half.seconds.items() if k != "train"} == {k: v for k, v in large.seconds.items()
+                                                                       if k != "train"}
+    for name, model in (("demo-gpu-coder", "0.5b"), ("demo-gpu-coder-1.5b", "1.5b")):
+        r = load_recipe(name)
+        assert r.coder_model == model and r.heldout_source == "mt_bench" and r.eval_sources == {"humaneval": 0}
+        assert not {"humaneval", "mt_bench"} & set(r.sources) and "self" in r.sources
+        assert r.eval_dtypes == ["bfloat16", "float32"] and r.follow
+
+
+def test_demo_chooses_the_coder_preset_workdir_and_target_folder(monkeypatch):
+    import dflash.recipes.gpu as gpu
+    from dflash.recipes.demo import DemoConfig, run_demo
+
+    calls = []
+    monkeypatch.setattr(gpu, "run_gpu_demo", lambda workdir, preset, *a, **kw: calls.append((workdir, preset, kw)))
+    run_demo(DemoConfig(recipe="gpu-coder"))
+    run_demo(DemoConfig(recipe="gpu-coder", coder_model="1.5b", coder_dir="/data/coder", workdir="w"))
+    run_demo(DemoConfig(recipe="gpu"))
+    assert [(w, p, kw.get("coder_dir")) for w, p, kw in calls] == [
+        ("work/demo-gpu-coder", "demo-gpu-coder", "work/coder"), ("w", "demo-gpu-coder-1.5b", "/data/coder"),
+        ("work/demo-gpu", "demo-gpu", None)]
+    with pytest.raises(ValueError, match="--coder-model chooses the coder recipe.s target: give --recipe gpu-coder"):
+        DemoConfig(recipe="gpu", coder_model="1.5b")
+    with pytest.raises(ValueError, match="--coder-model must be 0.5b or 1.5b"):
+        DemoConfig(recipe="gpu-coder", coder_model="7b")
+
+
+def test_the_cli_refuses_a_missing_target_before_any_work(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "dflash", "demo", "--recipe", "gpu-coder", "--coder-dir",
+                        str(tmp_path / "coder"), "--workdir", str(tmp_path / "w"), "--device", "cpu",
+                        "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr
+    err = [x for x in r.stderr.splitlines() if x.strip()]
+    assert err[-1].startswith("error: --coder-dir: ") and "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf is missing" in err[-1]
+    assert "make coder-assets CODER_MODEL=0.5b" in err[-1]
+    assert "demo: [1/9] prepare target" in r.stdout and not (tmp_path / "w" / "target").exists()
+
+
+def test_humaneval_and_mt_bench_are_eval_sets_never_trained_on(tmp_path):
+    import dataclasses
+    import json
+
+    from dflash.recipes.gpu_config import load_recipe
+    from dflash.recipes.mix import prepare_data
+    from dflash.recipes.sources import HUMANEVAL_ASK, Conversation, as_messages, load_source
+
+    humaneval, mt_bench = load_source("humaneval"), load_source("mt_bench")
+    recipe = dataclasses.replace(load_recipe("demo-gpu-coder"), sources={"self": 0.9, "chatterbot": 0.1},
+                                 eval_prompts=8, validation_conversations=4)
+    convs = [Conversation(f"self:{i:04d}", as_messages([f"Write a function number {i}.", ""])) for i in range(400)]
+    leaked = [Conversation("self:0400", as_messages([humaneval[0].messages[0]["content"], ""])),
+              Conversation("self:0401", as_messages([" " + mt_bench[3].messages[0]["content"].upper(), ""]))]
+    train, held, counts, _ = prepare_data(str(tmp_path), recipe, convs + leaked, {"sampled": 402, "kept": 402})
+    rows = [json.loads(x) for x in open(held)]
+    sets = {}
+    for r in rows:
+        sets.setdefault(r["set"], []).append(r)
+    assert {k: len(v) for k, v in sets.items()} == {"in-source": 8, "out-of-source": 40, "humaneval": 164}
+    assert [r["set"] for r in rows[:3]] == ["in-source", "out-of-source", "humaneval"]  # any prefix samples each set
+    assert {r["category"] for r in sets["humaneval"]} == {"python"}
+    assert [r["messages"] for r in sets["humaneval"]] == [c.messages[:1] for c in humaneval]  # the data's order
+    assert sets["humaneval"][0]["messages"][0]["content"].startswith(HUMANEVAL_ASK.split("{")[0])
+    assert all(r["messages"][-1]["role"] == "user" for r in rows)
+    assert counts["eval_sources"]["humaneval"]["prompts"] == 164 and counts["heldout_source"]["prompts"] == 40
+    assert counts["self_prompts"]["dropped"]["equal_to_heldout_source"] == 2  # the two copied prompts
+    trained = {m["content"] for x in open(train) for m in json.loads(x)["messages"] if m["role"] == "user"}
+    assert not trained & {c.messages[0]["content"] for c in humaneval + mt_bench}
+
+
+def test_the_summary_checks_the_humaneval_bar():
+    from dflash.recipes.summary import bars
+
+    def group(tau, speedup, n=164):
+        return {"prompts": n, "dflash": {"tau": tau, "speedup": speedup, "identical": n},
+                "ngram": {"tau": 1.5, "speedup": 1.2}}
+
+    report = {"dflash": {"tau": 3.0, "speedup": 2.0}, "sets": {"in-source": group(3.6, 2.1, 32),
+                                                               "out-of-source": group(3.1, 1.9, 40),
+                                                               "humaneval": group(4.2, 2.6)}}
+    b = bars(report)
+    assert (b["humaneval_tau"], b["humaneval_speedup"], b["humaneval_prompts"], b["humaneval_ok"]) == (4.2, 2.6, 164, True)
+    report["sets"]["humaneval"] = group(4.2, 2.4)
+    assert bars(report)["humaneval_ok"] is False
+    del report["sets"]["humaneval"]
+    assert "humaneval_tau" not in bars(report)
