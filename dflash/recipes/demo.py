@@ -2,13 +2,15 @@
 
 DemoConfig holds the command's settings (dflash/cli.py maps its flags onto it); dflash/recipes/run_demo.py runs the
 recipe they choose: the CPU recipe (dflash/recipes/cpu.py: SmolLM2-135M-Instruct on chitchat, in minutes on a laptop
-CPU, at CPU_SIZES) or the GPU recipe (dflash/recipes/gpu.py, sized by configs/demo-gpu.yaml). `--recipe auto` is the
-GPU one when torch sees CUDA. This module imports neither recipe nor torch at import time: `dflash --help` reads CPU_SIZES from here.
+CPU, at CPU_SIZES), the GPU recipe (dflash/recipes/gpu.py, sized by configs/demo-gpu.yaml) or the coder recipe
+(`--recipe gpu-coder`: the GPU recipe on Qwen2.5-Coder-Instruct, dflash/recipes/coder.py, configs/demo-gpu-coder.yaml
+and -1.5b.yaml). `--recipe auto` is the GPU one when torch sees CUDA. This module imports neither recipe nor torch at
+import time: `dflash --help` reads CPU_SIZES from here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from dflash.core.config import check
 
@@ -28,8 +30,12 @@ def cpu_demo_time(seconds: dict[str, float] | None = None) -> str:
 @dataclass
 class DemoConfig:
     workdir: str | None = None  # None: work/demo (CPU recipe) or work/demo-gpu (GPU recipe)
-    recipe: str = "auto"  # cpu, gpu (dflash/recipes/gpu.py, configs/demo-gpu.yaml), auto: gpu when CUDA is there
-    config: str | None = None  # the GPU recipe's preset (default demo-gpu)
+    # cpu, gpu (dflash/recipes/gpu.py, configs/demo-gpu.yaml), gpu-coder (dflash/recipes/coder.py: the GPU recipe on
+    # Qwen2.5-Coder-Instruct, configs/demo-gpu-coder*.yaml), auto: gpu when CUDA is there
+    recipe: str = "auto"
+    config: str | None = None  # the GPU recipe's preset (default demo-gpu; gpu-coder: by coder_model)
+    coder_model: str | None = None  # gpu-coder: 0.5b (default) or 1.5b (dflash/recipes/coder_assets.py)
+    coder_dir: str | None = None  # gpu-coder: the folder of `make coder-assets`' GGUF (default work/coder)
     responses: str = "regenerate"  # or "original": the dataset's human replies (CPU recipe)
     # None: the recipe's own (CPU_SIZES; the GPU recipe's preset). train_prompts is the CPU recipe's only.
     train_prompts: int | None = None
@@ -53,7 +59,13 @@ class DemoConfig:
     progress: bool = True
 
     def __post_init__(self):
-        check(self.recipe in ("auto", "cpu", "gpu"), "recipe", f"must be auto, cpu or gpu, got {self.recipe!r}")
+        check(self.recipe in ("auto", "cpu", "gpu", "gpu-coder"), "recipe",
+              f"must be auto, cpu, gpu or gpu-coder, got {self.recipe!r}")
+        check(self.coder_model in (None, "0.5b", "1.5b"), "coder_model",
+              f"must be 0.5b or 1.5b, got {self.coder_model!r}")
+        check((self.coder_model is None and self.coder_dir is None) or self.recipe == "gpu-coder",
+              "coder_model" if self.coder_model is not None else "coder_dir",
+              "chooses the coder recipe's target: give --recipe gpu-coder")
         check(self.responses in ("regenerate", "original"), "responses", "must be regenerate or original")
         check(self.train_prompts is None or self.train_prompts >= 8, "train_prompts", "must be >= 8")
         check(self.eval_prompts is None or self.eval_prompts >= 1, "eval_prompts", "must be >= 1")
@@ -72,7 +84,5 @@ class DemoConfig:
 
     def cpu(self) -> "DemoConfig":
         """This config with the CPU recipe's sizes where none were given."""
-        from dataclasses import replace
-
         return replace(self, recipe="cpu", workdir=self.workdir or "work/demo",
                        **{k: v for k, v in CPU_SIZES.items() if getattr(self, k) is None})

@@ -59,18 +59,12 @@ from dflash.core.config import ConfigError, check, read_preset
 from dflash.core.io import atomic_json
 from dflash.recipes.compare import (DFLASH2_EVAL_FACTOR, LAST_HIDDEN_EXTRACT_FACTOR, compare_run, compare_summary,
                                     dflash2_train_seconds, equal_time_budget)
-from dflash.recipes.gpu_config import COMPARE_ARCHS, PRESET, load_recipe
+from dflash.recipes.coder import CODER_DIR, coder_stage_seconds
+from dflash.recipes.gpu_config import COMPARE_ARCHS, GPU_STAGE_SECONDS, PRESET, load_recipe  # noqa: F401
 from dflash.recipes.gpu_stages import FollowingTrainer, WorkTime, follower_args, prepare, train_and_eval
 from dflash.recipes.self_prompts import NAME as SELF
 from dflash.recipes.stages import StagePlan, caches_under, now_stamp, read_dict, show_stored, stored_result
 from dflash.recipes.summary import drafter_figures, format_gpu_summary
-
-
-# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts,
-# follow, and the target decoding in CUDA graphs: 13 min 51 s with both evals; "train" is what training took after the
-# extraction it ran beside). BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
-GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, "regenerate": 134.0, "extract": 62.0,
-                     "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}
 
 
 def compare_overrides(recipe, train_overrides: dict | None, compare: str) -> dict:
@@ -83,12 +77,13 @@ def compare_overrides(recipe, train_overrides: dict | None, compare: str) -> dic
 
 
 def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, compare: str = "") -> StagePlan:
-    """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (training's scaled by a max_steps override);
+    """The GPU recipe's stages for the preset, with GPU_STAGE_SECONDS (a coder preset's: the estimate of
+    dflash/recipes/coder.py; training's scaled by a max_steps override);
     with `compare`, the second drafter's training and evals after DFlash's and the extraction with the last hidden
     state, estimated by dflash/recipes/compare.py's figures: its training takes DFlash's training time (its time
     budget), plus its first compiled call and its validations."""
     recipe = load_recipe(preset)
-    ref = dict(GPU_STAGE_SECONDS)
+    ref = dict(coder_stage_seconds(recipe.coder_model) if recipe.coder_model else GPU_STAGE_SECONDS)
     if compare:
         for k in ("extract", "validation data"):
             ref[k] *= LAST_HIDDEN_EXTRACT_FACTOR
@@ -156,11 +151,12 @@ def show_reports(reports: dict[str, dict], named: bool) -> None:
 
 def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
                  target: str | None = None, train_overrides: dict | None = None,
-                 eval_prompts: int | None = None, compare: str | None = None) -> dict[str, Any]:
+                 eval_prompts: int | None = None, compare: str | None = None,
+                 coder_dir: str = CODER_DIR) -> dict[str, Any]:
     """The whole GPU recipe; prints the eval tables and writes WORKDIR/summary.json. A rerun that finds the summary
     of a finished run with the same request (gpu_request) and its eval reports prints them and writes nothing.
     compare: a second drafter architecture trained and evaluated beside DFlash's (dflash/recipes/compare.py; None:
-    the preset's `compare`)."""
+    the preset's `compare`); coder_dir: where a coder preset's target GGUF is (dflash/recipes/coder_assets.py)."""
     workdir = os.path.abspath(workdir)  # every path the stages print is absolute
     recipe = load_recipe(preset)
     arch = recipe.compare if compare is None else compare
@@ -185,7 +181,9 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     what = f"the GPU recipe ({preset})" + (f", a {arch} drafter compared with the DFlash one," if arch else "")
     print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one H200 ("
           + (f"estimated: the {arch} stages from DFlash's, training for DFlash's training time, eval "
-             f"x{DFLASH2_EVAL_FACTOR:g}" if arch else "as measured for the shipped preset")
+             f"x{DFLASH2_EVAL_FACTOR:g}" if arch else
+             f"estimated from the GPU recipe's stages for Qwen2.5-Coder-{recipe.coder_model.upper()}-Instruct: "
+             "dflash/recipes/coder.py" if recipe.coder_model else "as measured for the shipped preset")
           + "); the first training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
@@ -199,7 +197,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
                                                                 train_overrides)))
 
             try:
-                prep = prepare(workdir, preset, device, progress, target, timings, stages=plan,
+                prep = prepare(workdir, preset, device, progress, target, timings, stages=plan, coder_dir=coder_dir,
                                tokenize_cache=tokenize_cache, before_extract=start_follower if recipe.follow else None,
                                last_hidden=bool(arch))
                 prep.follower = followers[0] if followers else None
@@ -226,7 +224,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
         regen = old["regenerate"]
     ex_tps = (prep.extract or {}).get("tokens_per_s_this_rank") or old.get("extract_tokens_per_s")
     summary = {
-        "recipe": "gpu", "preset": preset, "request": request, "finished_at": now_stamp(),
+        "recipe": "gpu-coder" if recipe.coder_model else "gpu", "preset": preset, "request": request, "finished_at": now_stamp(),
         "target": prep.target, "data": prep.counts,
         "regenerate": regen,
         "extract_tokens_per_s": ex_tps,

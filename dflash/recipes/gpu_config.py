@@ -1,5 +1,6 @@
-"""The GPU recipe's settings: the `recipe` section of its preset (configs/demo-gpu.yaml; GpuRecipe, read by
-load_recipe like the stages' sections, typed and checked field by field) and the bars its summary checks (BARS).
+"""The GPU recipe's settings: the `recipe` section of its preset (configs/demo-gpu.yaml, configs/demo-gpu-coder*.yaml;
+GpuRecipe, read by load_recipe like the stages' sections, typed and checked field by field) and the bars its summary
+checks (BARS, and CODER_BARS on HumanEval).
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ PRESET = "demo-gpu"
 # The bars (DESIGN.md section 5), checked in the summary: tau on the in-source prompts, tau over n-gram lookup's on
 # the same out-of-source prompts, the speed-up over the target alone on the in-source prompts (first eval dtype).
 BARS = {"tau": 3.5, "out_of_source_tau_over_ngram": 2.0, "speedup": 2.0}
+# the targets a recipe can name besides the bundled one ("": SmolLM2-135M-Instruct; dflash/recipes/coder_assets.py)
+CODER_MODELS = ("", "0.5b", "1.5b")
+# the coder recipe's bar on HumanEval (DESIGN.md section 5: a real ~1.5B target, tau >= 4 and >= 2.5x the target alone)
+CODER_BARS = {"humaneval_tau": 4.0, "humaneval_speedup": 2.5}
 # the drafter architectures a comparison can train beside DFlash's ("" = no comparison)
 COMPARE_ARCHS = ("", "dflash2")
 
@@ -68,6 +73,12 @@ class GpuRecipe:
     # DFlash's optimizer steps in a comparison (0 = the train section's max_steps); DFlash2's provisional total, before
     # its time budget decides its steps
     compare_max_steps: int = 0
+    # more out-of-source eval sets, {source: prompts (0 = all)}, each kept whole out of training and labelled with its
+    # own `set` (the source's name) in the eval: the coder recipe's {humaneval: 0} (164 prompts) beside mt_bench
+    eval_sources: dict = field(default_factory=dict)
+    # the target: "" = the bundled SmolLM2-135M-Instruct; a model of dflash/recipes/coder_assets.py (0.5b, 1.5b) = that
+    # Qwen2.5-Coder-Instruct GGUF, joined once by `make coder-assets` (the coder recipe, dflash/recipes/coder.py)
+    coder_model: str = ""
 
     def __post_init__(self):
         check(0 < self.heldout_percent < 100, "heldout_percent", f"must be in (0, 100), got {self.heldout_percent}")
@@ -108,6 +119,18 @@ class GpuRecipe:
               f"must be {' or '.join(repr(a) for a in COMPARE_ARCHS)} (none), got {self.compare!r}")
         check(self.compare_max_steps >= 0, "compare_max_steps", "must be >= 0 (0 = the train section's max_steps)")
         check(self.self_batch_size >= 0, "self_batch_size", "must be >= 0 (0 = the default)")
+        check(isinstance(self.eval_sources, dict), "eval_sources",
+              f"must map sources to their prompts (0 = all), e.g. {{humaneval: 0}}, got {self.eval_sources!r}")
+        for name, n in self.eval_sources.items():
+            check(name in SOURCES, "eval_sources", f"{name!r} is not a data source (known: {', '.join(SOURCES)})")
+            check(name not in self.sources and name != self.heldout_source, "eval_sources",
+                  f"{name} is also a training source or the heldout_source: an eval set of its own is kept out of "
+                  "training and out of the other sets")
+            check(isinstance(n, int) and not isinstance(n, bool) and n >= 0, "eval_sources",
+                  f"the prompts of {name} must be an integer >= 0 (0 = all), got {n!r}")
+        check(self.coder_model in CODER_MODELS, "coder_model",
+              f"must be {' or '.join(repr(m) for m in CODER_MODELS)} (\"\": the bundled SmolLM2), "
+              f"got {self.coder_model!r}")
 
 
 def load_recipe(preset: str = PRESET) -> GpuRecipe:
@@ -118,3 +141,10 @@ def load_recipe(preset: str = PRESET) -> GpuRecipe:
         raise ConfigError(f"--config: unknown key {bad[0]!r} in the recipe section of {preset} "
                           f"(known: {', '.join(sorted(known))})")
     return GpuRecipe(**coerce_all(GpuRecipe, fields, preset))  # typed as the stages' presets are
+
+
+# Seconds of each stage of the GPU recipe on one H200 from nothing (2026-12-03, the preset with 192-token self prompts,
+# follow, and the target decoding in CUDA graphs: 13 min 51 s with both evals; "train" is what training took after the
+# extraction it ran beside). BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
+GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, "regenerate": 134.0, "extract": 62.0,
+                     "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}

@@ -89,14 +89,16 @@ def follower_args(target: str, cache: str, val_cache: str | None, run: str, pres
 
 def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
             target: str | None = None, timings: dict | None = None, stages: StagePlan | None = None,
-            tokenize_cache: str | None = None, before_extract=None, last_hidden: bool = False) -> Prepared:
+            tokenize_cache: str | None = None, before_extract=None, last_hidden: bool = False,
+            coder_dir: str = "work/coder") -> Prepared:
     """Target, data, regenerated responses and the cache (each skipped or resumed when already there).
     target: an HF folder to use instead of the bundled SmolLM2 (e.g. a random model of its shape); timings: the
     dict each stage's seconds go into as it ends (a new one by default); stages: prints each stage's line as it
     starts; tokenize_cache: extract's --tokenize-cache (None: its default); before_extract(target, cache,
     val_cache): called just before the main extraction starts, the validation data being made first (the recipe's
     `follow`: it starts the trainer that follows the extraction); last_hidden: both caches hold the target's last
-    hidden state too (extract --last-hidden: what a DFlash2 drafter trains and validates against)."""
+    hidden state too (extract --last-hidden: what a DFlash2 drafter trains and validates against); coder_dir: where
+    a preset's coder_model GGUF is (dflash/recipes/coder_assets.py: checked against its pinned sha256 first)."""
     from dflash.extract.generation.regenerate import RegenerateConfig, run_regenerate
     from dflash.extract.run import ExtractConfig, run_extract
 
@@ -115,7 +117,12 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
                 and os.path.exists(os.path.join(target, "tokenizer_config.json"))):  # converted once, then reused
             from dflash.core.target import convert_gguf
 
-            target = convert_gguf(smollm2_gguf(), target)
+            if recipe.coder_model:
+                from dflash.recipes.coder_assets import coder_gguf
+
+                target = convert_gguf(coder_gguf(recipe.coder_model, coder_dir), target)
+            else:
+                target = convert_gguf(smollm2_gguf(), target)
     timings["prepare target"] = time.perf_counter() - t
     self_convs = self_record = None
     if SELF in recipe.sources:

@@ -5,7 +5,7 @@ cut into samples by the recipe's `history` (training_sample: one multi-turn samp
 one per answered user turn, the data's own history before it); the eval prompts are held-out histories up to a user
 turn at varied turn positions (eval_prompts); the held-out conversations, cut the same way, are the validation set.
 Several sources are mixed by fixed shares (mix_sources), a held-out source giving the out-of-source prompts
-(out_of_source_prompts). prepare_data writes WORKDIR/data/{train,heldout,valid}.jsonl and data/split.json (the
+(out_of_source_prompts) and each eval source (the recipe's eval_sources, e.g. HumanEval) a set of its own. prepare_data writes WORKDIR/data/{train,heldout,valid}.jsonl and data/split.json (the
 counts); it is deterministic: a rerun writes the same files.
 """
 
@@ -161,9 +161,15 @@ def out_of_source_prompts(convs: list[Conversation], n: int) -> list[Conversatio
     return mixed[:n] if n else mixed
 
 
+def prompt_of(c: Conversation) -> list[dict[str, str]]:
+    """An eval prompt from a held-out source's conversation: its messages up to its user turn."""
+    return c.messages[:-1] if c.messages[-1]["role"] == "assistant" else c.messages
+
+
 def mix_sources(pools: dict[str, list[tuple[str, list[str]]]], recipe: GpuRecipe,
-                heldout: list[Conversation] | None = None) -> tuple[list[list[dict]], list[dict], dict,
-                                                                      list[list[dict]]]:
+                heldout: list[Conversation] | None = None,
+                eval_sets: dict[str, list[Conversation]] | None = None) -> tuple[list[list[dict]], list[dict], dict,
+                                                                                 list[list[dict]]]:
     """The recipe's training mix and eval sets from the training sources' (conversation id, turn texts), in
     recipe.sources' order, and the held-out source's conversations.
 
@@ -172,9 +178,10 @@ def mix_sources(pools: dict[str, list[tuple[str, list[str]]]], recipe: GpuRecipe
     round(N * share), its pool repeated whole (then in part) when smaller, a hash-spread part when larger. Returns
     (training samples, eval rows, counts, validation samples). Eval rows: {"messages", "set", "category",
     "source"}; the in-source set is eval_prompts held-out prompts split among the sources by share (category =
-    the source), the out-of-source set the held-out source's (category = its own); the rows alternate between
-    the sets, and within a set between its sources or categories, so that any prefix (the float32 run's
-    later_dtype_prompts) samples every part."""
+    the source), the out-of-source set the held-out source's (category = its own), and each of eval_sets
+    ({source: its conversations}, recipe.eval_sources' prompts of each) a set named by its source; the rows
+    alternate between the sets, and within a set between its sources or categories, so that any prefix (the
+    float32 run's later_dtype_prompts) samples every part."""
     names = list(recipe.sources)
     n_eval = shares_of(recipe.eval_prompts, recipe.sources)
     parts = {k: split_turns(pools[k], recipe, n_eval[k], k) for k in names}
@@ -192,9 +199,12 @@ def mix_sources(pools: dict[str, list[tuple[str, list[str]]]], recipe: GpuRecipe
     in_rows = interleave([[{"messages": p, "set": "in-source", "category": k, "source": k} for p in parts[k][1]]
                           for k in names])
     out = out_of_source_prompts(heldout or [], recipe.heldout_source_prompts)
-    out_rows = [{"messages": c.messages[:-1] if c.messages[-1]["role"] == "assistant" else c.messages,
-                 "set": "out-of-source", "category": c.category, "source": recipe.heldout_source} for c in out]
-    rows = interleave([in_rows, out_rows])
+    out_rows = [{"messages": prompt_of(c), "set": "out-of-source", "category": c.category,
+                 "source": recipe.heldout_source} for c in out]
+    more = {k: out_of_source_prompts(convs, recipe.eval_sources.get(k, 0)) for k, convs in (eval_sets or {}).items()}
+    more_rows = [[{"messages": prompt_of(c), "set": k, "category": c.category, "source": k} for c in cs]
+                 for k, cs in more.items()]
+    rows = interleave([in_rows, out_rows, *more_rows])
     summed = ("conversations", "train_conversations", "heldout_conversations", "train_conversations_used",
               "train_without_assistant_turn", "train_dropped_by_max_conversations", "assistant_turns_cut_by_max_turns",
               "validation_samples", "validation_conversations")
@@ -209,6 +219,9 @@ def mix_sources(pools: dict[str, list[tuple[str, list[str]]]], recipe: GpuRecipe
                             "prompts": len(out_rows),
                             "categories": {str(c.category): sum(o.category == c.category for o in out) for c in out}}
                            if recipe.heldout_source else None),
+        "eval_sources": {k: {"conversations": len((eval_sets or {})[k]), "prompts": len(cs),
+                             "categories": {str(c.category): sum(o.category == c.category for o in cs) for c in cs}}
+                         for k, cs in more.items()},
     })
     return samples, rows, counts, held_samples
 
@@ -223,22 +236,23 @@ def prepare_data(workdir: str, recipe: GpuRecipe, self_convs: list[Conversation]
     regenerated), data/heldout.jsonl (the eval prompts: in-source and out-of-source rows, with `set` and `category`
     for `dflash eval`'s table), data/valid.jsonl (the held-out conversations as samples, for the validation cache),
     data/split.json (counts, per source too). self_convs: the `self` source's conversations when it is one of the
-    sources (dflash/recipes/self_prompts.py; its turns equal to a held-out source's prompt are dropped: that source
-    stays never trained on), self_record its record. Deterministic: a rerun writes the same files."""
+    sources (dflash/recipes/self_prompts.py; its turns equal to a prompt of the held-out source or of an eval source
+    are dropped: those stay never trained on), self_record its record. Deterministic: a rerun writes the same files."""
     d = os.path.join(workdir, "data")
     os.makedirs(d, exist_ok=True)
     heldout = load_source(recipe.heldout_source) if recipe.heldout_source else None
+    eval_sets = {k: load_source(k) for k in recipe.eval_sources}
     if SELF in recipe.sources and self_convs is None:
         raise ValueError("the recipe's sources name `self`: sample its prompts first (dflash/recipes/self_prompts.py)")
     self_dropped = 0
     if SELF in recipe.sources:
-        banned = {" ".join(m["content"].split()).lower() for c in heldout or [] for m in c.messages
-                  if m["role"] == "user"}
+        banned = {" ".join(m["content"].split()).lower() for c in [*(heldout or []), *sum(eval_sets.values(), [])]
+                  for m in c.messages if m["role"] == "user"}
         kept = [c for c in self_convs if " ".join(c.messages[0]["content"].split()).lower() not in banned]
         self_dropped, self_convs = len(self_convs) - len(kept), kept
     pools = {k: [(c.key, [m["content"] for m in c.messages]) for c in (self_convs if k == SELF else load_source(k))]
              for k in recipe.sources}
-    samples, rows, counts, held_samples = mix_sources(pools, recipe, heldout)
+    samples, rows, counts, held_samples = mix_sources(pools, recipe, heldout, eval_sets)
     if SELF in recipe.sources:
         rec = self_record or {}
         counts["self_prompts"] = {"sampled": rec.get("sampled"), "kept": rec.get("kept"),

@@ -1,11 +1,13 @@
-"""`dflash demo`: the recipe a DemoConfig resolves to, run. Above both recipes (dflash/recipes/cpu.py, gpu.py),
-which read their settings from dflash/recipes/demo.py."""
+"""`dflash demo`: the recipe a DemoConfig resolves to, run. Above the recipes (dflash/recipes/cpu.py, gpu.py,
+coder.py), which read their settings from dflash/recipes/demo.py."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from dflash.core.config import ConfigError
+from dflash.recipes.coder import CODER_DIR, PRESETS, WORKDIRS
 from dflash.recipes.cpu import run_cpu_demo
 from dflash.recipes.demo import DemoConfig
 from dflash.recipes.gpu import run_gpu_demo
@@ -14,7 +16,10 @@ from dflash.recipes.gpu_config import PRESET
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     """The recipe cfg.recipe resolves to: the GPU one (dflash/recipes/gpu.py) or the CPU one (dflash/recipes/cpu.py)."""
-    if cfg.resolved_recipe() == "gpu":
+    if cfg.recipe == "gpu-coder":
+        model = cfg.coder_model or "0.5b"
+        cfg = replace(cfg, config=cfg.config or PRESETS[model], workdir=cfg.workdir or WORKDIRS[model])
+    if cfg.resolved_recipe() in ("gpu", "gpu-coder"):
         if cfg.train_prompts is not None:
             raise ConfigError("--train-prompts: the GPU recipe trains on every training conversation of chitchat "
                               "(its sizes are in configs/demo-gpu.yaml); use --recipe cpu for a prompt count")
@@ -24,7 +29,8 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
                      if v is not None}
         return run_gpu_demo(cfg.workdir or ("work/demo-gpu-" + cfg.compare if cfg.compare else "work/demo-gpu"),
                             cfg.config or PRESET, cfg.device, cfg.progress, train_overrides=overrides,
-                            eval_prompts=cfg.eval_prompts, compare=cfg.compare)
+                            eval_prompts=cfg.eval_prompts, compare=cfg.compare,
+                            **({"coder_dir": cfg.coder_dir or CODER_DIR} if cfg.recipe == "gpu-coder" else {}))
     if cfg.compare is not None:
         raise ConfigError("--compare: a comparison of the GPU recipe; the CPU recipe trains one drafter "
                           "(use --recipe gpu)")

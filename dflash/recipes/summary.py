@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from dflash.recipes.gpu_config import BARS
+from dflash.recipes.gpu_config import BARS, CODER_BARS
 from dflash.recipes.stages import train_rates
 
 
@@ -80,7 +80,8 @@ def format_cpu_summary(s: dict[str, Any]) -> str:
 
 def bars(ev: dict[str, Any]) -> dict[str, Any]:
     """The bars on one eval report: on its in-source prompts (all of them when its prompts have no sets) and, when
-    it has them, its out-of-source ones (keys out_of_source_*)."""
+    it has them, its out-of-source ones (keys out_of_source_*) and its HumanEval ones (keys humaneval_*: the coder
+    recipe's bar, CODER_BARS)."""
     sets = ev.get("sets") or {}
     ins = sets.get("in-source") or {"dflash": ev["dflash"], "ngram": ev.get("ngram")}
     d, n = ins["dflash"], ins.get("ngram")
@@ -98,6 +99,13 @@ def bars(ev: dict[str, Any]) -> dict[str, Any]:
             out.update(out_of_source_tau_ngram=on["tau"], out_of_source_tau_over_ngram=ratio,
                        out_of_source_tau_over_ngram_ok=ratio is not None
                        and ratio >= BARS["out_of_source_tau_over_ngram"])
+    he = sets.get("humaneval")  # the coder recipe's own set (its eval_sources) and its bar (CODER_BARS)
+    if he:
+        hd, hn = he["dflash"], he.get("ngram") or {}
+        out.update(humaneval_prompts=he["prompts"], humaneval_tau=hd["tau"], humaneval_speedup=hd["speedup"],
+                   humaneval_tau_ngram=hn.get("tau"), humaneval_speedup_ngram=hn.get("speedup"),
+                   humaneval_ok=hd["tau"] >= CODER_BARS["humaneval_tau"]
+                   and hd["speedup"] >= CODER_BARS["humaneval_speedup"])
     return out
 
 
@@ -163,7 +171,9 @@ def format_gpu_summary(s: dict[str, Any]) -> str:
         *([("training mix", mix)] if len(src) > 1 else []),
         ("eval prompts", f"{d['eval_prompts']} from {d['heldout_conversations']} held-out conversations"
                          + (f" (in-source) + {held['prompts']} of {held['name']}, never trained on (out-of-source)"
-                            if held else "")),
+                            if held else "")
+                         + "".join(f" + {e['prompts']} of {k}, never trained on" for k, e in
+                                   (d.get("eval_sources") or {}).items())),
         ("train", f"{s['train']['steps']} steps, final loss {s['train']['final_loss']:.3f}"
          if s["train"]["final_loss"] is not None else "resumed"),
         ("expected tau, train / held-out rows", f"{s['train']['tau_expected']:.2f} / "
@@ -179,6 +189,11 @@ def format_gpu_summary(s: dict[str, Any]) -> str:
                if b.get("out_of_source_tau_over_ngram") else "-"))] if "out_of_source_tau" in b else []),
         ("speed-up vs target alone", f"{b['speedup']:.2f}x" + (f" in-source, {b['out_of_source_speedup']:.2f}x "
                                                                "out-of-source" if "out_of_source_tau" in b else "")),
+        *([("tau dflash / n-gram, HumanEval", f"{b['humaneval_tau']:.2f} / "
+            + (f"{b['humaneval_tau_ngram']:.2f}" if b.get("humaneval_tau_ngram") is not None else "-")
+            + f", speed-up {b['humaneval_speedup']:.2f}x ({b['humaneval_prompts']} prompts)"),
+           (f"HumanEval bar (tau>={CODER_BARS['humaneval_tau']:g}, >={CODER_BARS['humaneval_speedup']:g}x)",
+            str(b["humaneval_ok"]))] if "humaneval_tau" in b else []),
         (f"bars (tau>={BARS['tau']:g}, out-of-source >={BARS['out_of_source_tau_over_ngram']:g}x n-gram, "
          f">={BARS['speedup']:g}x)", f"{b['tau_ok']}, {b.get('out_of_source_tau_over_ngram_ok')}, {b['speedup_ok']}"),
         ("lossless in float32", str(s["lossless_float32"])),
