@@ -250,12 +250,12 @@ def test_the_coder_recipes_stage_plan_as_dflash_demo_would_run_it():
 
 
 def test_demo_chooses_the_coder_preset_workdir_and_target_folder(monkeypatch):
-    import dflash.recipes.gpu as gpu
+    import dflash.recipes.run_demo as launch
     from dflash.recipes.demo import DemoConfig
     from dflash.recipes.run_demo import run_demo
 
     calls = []
-    monkeypatch.setattr(gpu, "run_gpu_demo", lambda workdir, preset, *a, **kw: calls.append((workdir, preset, kw)))
+    monkeypatch.setattr(launch, "run_gpu_demo", lambda workdir, preset, *a, **kw: calls.append((workdir, preset, kw)))
     run_demo(DemoConfig(recipe="gpu-coder"))
     run_demo(DemoConfig(recipe="gpu-coder", coder_model="1.5b", coder_dir="/data/coder", workdir="w"))
     run_demo(DemoConfig(recipe="gpu"))
