@@ -363,3 +363,44 @@ def test_the_plots_legend_names_the_prompts_its_tau_is_over(eval_report, tmp_pat
     assert acceptance_label(r, sets) == "dflash: tau 1.45 over all 20 prompts; in-source (16) 1.64, out-of-source (4) 1.12"
     plot_acceptance(str(tmp_path / "a.png"), [eval_report["dflash"], eval_report["ngram"]], 4, sets)
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------------------------ the documents
+
+
+def _links(md: Path) -> list[tuple[str, str]]:
+    """(target file, anchor) of each relative markdown link in md, the file resolved against md's folder."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", md.read_text()):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        out.append((str((md.parent / path).resolve()) if path else str(md.resolve()), anchor))
+    return out
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's anchors of md's headings: lower case, punctuation but - and _ dropped, spaces as -."""
+    heads = re.findall(r"^#+ (.+)$", md.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_readme_is_a_guide_with_the_two_commands_first_and_the_reference_in_docs():
+    """Before: 283 lines, no command on the first screen, the reference (flags, recipe, guarantees, cache format)
+    inline. Now the two commands within the first 25 lines, README within ~150, every docs/ page linked from it, and
+    every relative link in README, BENCHMARKS and docs/ names a file (and heading) that exists."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 155, len(lines)
+    first = "\n".join(lines[:25])
+    assert "make demo" in first and "make test" in first
+    assert "**τ** (tau)" in first  # the headline figure is defined before it is used
+    readme = "\n".join(lines)
+    assert "**zlab**" in readme
+    pages = sorted((REPO / "docs").glob("*.md"))
+    linked = {t for t, _ in _links(REPO / "README.md")}
+    assert pages and all(str(p.resolve()) in linked for p in pages), [p.name for p in pages]
+    for md in [REPO / "README.md", REPO / "BENCHMARKS.md", *pages]:
+        for target, anchor in _links(md):
+            assert os.path.exists(target), (md.name, target)
+            if anchor and target.endswith(".md"):
+                assert anchor in _anchors(Path(target)), (md.name, target, anchor)
