@@ -330,6 +330,7 @@ def test_the_demos_last_lines_name_its_outputs_and_each_exists(tmp_path, eval_re
     assert named == ["work/demo/run-regenerate/final", "work/demo/eval-regenerate.json",
                      "work/demo/acceptance-regenerate.png", "work/demo/summary-regenerate.json"], last
     assert all(ln.startswith("demo: ") for ln in last) and all(os.path.exists(p) for p in named)
+    assert "\n".join(last) in (REPO / "README.md").read_text()  # README shows them as printed
     # a file that is not there is not named
     os.remove(paths["plot"])
     assert [w for w, _ in demo_outputs("work/demo", "cpu")] == ["drafter", "eval report", "summary"]
