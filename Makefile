@@ -57,10 +57,11 @@ coder-assets: venv
 	$(BIN)/python -m dflash.recipes.coder_assets --model $(CODER_MODEL) --out $(CODER_DIR)
 
 ## test: the whole CPU test suite (GPU tests are skipped without CUDA), in TEST_WORKERS processes (pytest-xdist; a
-## test file stays in one process, so the tests of a file share their module's fixtures as in a serial run)
+## test file stays in one process, so the tests of a file share their module's fixtures as in a serial run); -rs
+## prints each skipped test's reason (no CUDA, a missing compiler or package) after the run
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile --durations=15
+	$(BIN)/python -m pytest -q -x -rs -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 clean:
 	rm -rf $(VENV) work

@@ -7,7 +7,10 @@
   * a rerun of a finished demo prints the stored tables in seconds and changes no file; other settings rerun it;
   * the caches the demo's stages would write under HOME (datasets, matplotlib) go under the workdir;
   * train's last line names its rate (the last window and its steps) and the drafter's path as this command names
-    it, also when a finished run's summary is replayed; the demo summary names the run mean and the last window.
+    it, also when a finished run's summary is replayed; the demo summary names the run mean and the last window;
+  * the demo's last lines name its outputs as --workdir names them (the drafter, the eval report, the plot, the
+    summary), each a path that exists; the plot's legend names the prompts its tau is over, and each set's tau;
+  * the CPU demo's duration is one figure in the code, README, BENCHMARKS, its first line and --help.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from dflash.core.progress import Bar, EtaRate
 from dflash.recipes.cpu import cpu_paths, cpu_settings, cpu_stage_plan, first_line
 from dflash.recipes.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_demo_time
 from dflash.recipes.stages import StagePlan, stored_result, train_rates
-from dflash.recipes.summary import format_cpu_summary
+from dflash.recipes.summary import demo_outputs, format_cpu_summary, format_outputs
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
@@ -303,3 +306,102 @@ def test_the_cpu_demo_duration_is_one_measured_figure_stated_alike_everywhere():
     help_text = " ".join(CliRunner().invoke(cli_main, ["demo", "--help"]).output.split())
     assert f"The CPU recipe took {figure} on an idle 2-core CPU" in help_text
     assert not re.search(r"\d+-\d+ minutes|about \d+ min on an idle", help_text + line)
+    # BENCHMARKS' CPU demo row states the same figure (before: 7 min 37 s there, 7 min 32 s in README)
+    bench = " ".join((REPO / "BENCHMARKS.md").read_text().split())
+    row = next(ln for ln in (REPO / "BENCHMARKS.md").read_text().splitlines() if "| the CPU demo (" in ln)
+    assert f"{figure} on an idle 2-core machine" in row and f"`CPU_STAGE_SECONDS`" in bench, row
+    assert set(re.findall(r"\d+ min \d+ s", row)) == {figure}, row
+
+
+def test_the_demos_last_lines_name_its_outputs_and_each_exists(tmp_path, eval_report, monkeypatch):
+    """Before: the demo ended on its summary table; README said the drafter was in run/final (it is in
+    run-regenerate/final). Its last lines now name the drafter, the eval report, the plot and the summary, as
+    --workdir names them, also when a rerun prints the stored result."""
+    monkeypatch.chdir(tmp_path)
+    cfg = DemoConfig(recipe="cpu", workdir="work/demo").cpu()
+    paths = _finished_workdir(tmp_path / "work" / "demo", eval_report, DemoConfig(recipe="cpu").cpu())
+    os.makedirs(os.path.join(paths["run"], "final"))
+    Path(paths["plot"]).write_bytes(b"\x89PNG\r\n\x1a\n")
+    r = CliRunner().invoke(cli_main, ["demo", "--recipe", "cpu", "--workdir", cfg.workdir], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    last = r.output.rstrip().splitlines()[-4:]
+    named = [ln.split()[-1] for ln in last]
+    assert [ln.split()[1] for ln in last] == ["drafter", "eval", "plot", "summary"], last
+    assert named == ["work/demo/run-regenerate/final", "work/demo/eval-regenerate.json",
+                     "work/demo/acceptance-regenerate.png", "work/demo/summary-regenerate.json"], last
+    assert all(ln.startswith("demo: ") for ln in last) and all(os.path.exists(p) for p in named)
+    assert "\n".join(last) in (REPO / "README.md").read_text()  # README shows them as printed
+    # a file that is not there is not named
+    os.remove(paths["plot"])
+    assert [w for w, _ in demo_outputs("work/demo", "cpu")] == ["drafter", "eval report", "summary"]
+    assert format_outputs([]) == ""
+
+
+def test_the_demos_last_lines_for_the_gpu_recipe_name_each_run(tmp_path):
+    work = tmp_path / "demo-gpu"
+    for rel in ("run/final/config.json", "run/eval-bfloat16.json", "run/eval-float32.json", "run/acceptance-bfloat16.png",
+                "run-dflash2/final/config.json", "run-dflash2/eval-bfloat16.json", "summary.json"):
+        (work / rel).parent.mkdir(parents=True, exist_ok=True)
+        (work / rel).write_text("x")
+    got = demo_outputs(str(work), "gpu")
+    assert [(w, os.path.relpath(p, work)) for w, p in got] == [
+        ("drafter", "run/final"), ("eval report", "run/eval-bfloat16.json"), ("eval report", "run/eval-float32.json"),
+        ("plot", "run/acceptance-bfloat16.png"), ("drafter (dflash2)", "run-dflash2/final"),
+        ("eval report (dflash2)", "run-dflash2/eval-bfloat16.json"), ("summary", "summary.json")]
+    assert format_outputs(got).splitlines()[0] == f"demo: {'drafter':<21}  {work / 'run' / 'final'}"
+
+
+def test_the_plots_legend_names_the_prompts_its_tau_is_over(eval_report, tmp_path):
+    """Before: the CPU demo's plot said "dflash (tau 1.45)", over all 20 prompts, where the summary and README quote
+    1.64, the 16 held-out chitchat prompts'. The legend now names the prompts and gives each set's tau."""
+    from dflash.train.evaluate.eval import acceptance_label, plot_acceptance
+
+    d = eval_report["dflash"]
+    assert acceptance_label(d) == f"dflash: tau {d['tau']:.2f} over all {eval_report['prompts']} prompts"
+    sets = {"in-source": {"prompts": 16, "dflash": {"tau": 1.64}, "ngram": {"tau": 1.14}},
+            "out-of-source": {"prompts": 4, "dflash": {"tau": 1.12}, "ngram": {"tau": 1.10}}}
+    r = {"name": "dflash", "tau": 1.45, "prompts": 20}
+    assert acceptance_label(r, sets) == "dflash: tau 1.45 over all 20 prompts; in-source (16) 1.64, out-of-source (4) 1.12"
+    plot_acceptance(str(tmp_path / "a.png"), [eval_report["dflash"], eval_report["ngram"]], 4, sets)
+    assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
+
+
+# ------------------------------------------------------------------------------------------------ the documents
+
+
+def _links(md: Path) -> list[tuple[str, str]]:
+    """(target file, anchor) of each relative markdown link in md, the file resolved against md's folder."""
+    out = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", md.read_text()):
+        if "://" in target:
+            continue
+        path, _, anchor = target.partition("#")
+        out.append((str((md.parent / path).resolve()) if path else str(md.resolve()), anchor))
+    return out
+
+
+def _anchors(md: Path) -> set[str]:
+    """GitHub's anchors of md's headings: lower case, punctuation but - and _ dropped, spaces as -."""
+    heads = re.findall(r"^#+ (.+)$", md.read_text(), flags=re.M)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+
+def test_readme_is_a_guide_with_the_two_commands_first_and_the_reference_in_docs():
+    """Before: 283 lines, no command on the first screen, the reference (flags, recipe, guarantees, cache format)
+    inline. Now the two commands within the first 25 lines, README within ~150, every docs/ page linked from it, and
+    every relative link in README, BENCHMARKS and docs/ names a file (and heading) that exists."""
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 155, len(lines)
+    first = "\n".join(lines[:25])
+    assert "make demo" in first and "make test" in first
+    assert "**τ** (tau)" in first  # the headline figure is defined before it is used
+    readme = "\n".join(lines)
+    assert "**zlab**" in readme
+    pages = sorted((REPO / "docs").glob("*.md"))
+    linked = {t for t, _ in _links(REPO / "README.md")}
+    assert pages and all(str(p.resolve()) in linked for p in pages), [p.name for p in pages]
+    for md in [REPO / "README.md", REPO / "BENCHMARKS.md", *pages]:
+        for target, anchor in _links(md):
+            assert os.path.exists(target), (md.name, target)
+            if anchor and target.endswith(".md"):
+                assert anchor in _anchors(Path(target)), (md.name, target, anchor)

@@ -162,3 +162,11 @@ def test_each_decoding_command_runs_its_work_on_the_threads_chosen(command, tmp_
             "prompts": ["--out", str(tmp_path / "o")]}[command]
     r = CliRunner().invoke(cli_main, [command, "--target", "t", "--threads", "-1", *args])
     assert r.exit_code == 2 and "--threads must be >= 0" in r.output, r.output
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_test_prints_the_reason_of_each_skip():
+    """Before: `make test` ended "15 skipped" and named neither the tests nor why (no CUDA, a compiler, a package)."""
+    dry = subprocess.run(["make", "-n", "test"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    line = next(x for x in dry.stdout.splitlines() if " -m pytest " in x)
+    assert " -rs " in f"{line} ", line

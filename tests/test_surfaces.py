@@ -238,6 +238,10 @@ def test_demo_end_to_end_at_smoke_size(tmp_path):
     assert (work / "run-regenerate" / "final" / "model.safetensors").exists()
     assert dflash_cache.verify(str(work / "cache-regenerate")).ok
     assert "tau: dflash drafter" in p.stdout
+    # its last lines: where its outputs are, each there
+    last = p.stdout.rstrip().splitlines()[-4:]
+    assert [ln.split()[1] for ln in last] == ["drafter", "eval", "plot", "summary"], last
+    assert all(ln.startswith("demo: ") and os.path.exists(ln.split()[-1]) for ln in last), last
     # a rerun finds it done: the stored tables, no file changed
     files = {f: (f.stat().st_mtime_ns, f.read_bytes()) for f in work.rglob("*") if f.is_file()}
     again = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)

@@ -12,10 +12,13 @@ from dflash.recipes.cpu import run_cpu_demo
 from dflash.recipes.demo import DemoConfig
 from dflash.recipes.gpu import run_gpu_demo
 from dflash.recipes.gpu_config import PRESET
+from dflash.recipes.summary import demo_outputs, format_outputs
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
-    """The recipe cfg.recipe resolves to: the GPU one (dflash/recipes/gpu.py) or the CPU one (dflash/recipes/cpu.py)."""
+    """The recipe cfg.recipe resolves to: the GPU one (dflash/recipes/gpu.py; the coder recipe is the GPU one on
+    Qwen2.5-Coder-Instruct) or the CPU one (dflash/recipes/cpu.py); its last lines say where its outputs are (the
+    drafter, the eval reports, the plot, the summary)."""
     if cfg.recipe == "gpu-coder":
         model = cfg.coder_model or "0.5b"
         cfg = replace(cfg, config=cfg.config or PRESETS[model], workdir=cfg.workdir or WORKDIRS[model])
@@ -27,13 +30,26 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             raise ConfigError("--responses: the GPU recipe trains on regenerated responses only")
         overrides = {k: v for k, v in (("max_steps", cfg.train_steps), ("drafter_layers", cfg.drafter_layers))
                      if v is not None}
-        return run_gpu_demo(cfg.workdir or ("work/demo-gpu-" + cfg.compare if cfg.compare else "work/demo-gpu"),
-                            cfg.config or PRESET, cfg.device, cfg.progress, train_overrides=overrides,
-                            eval_prompts=cfg.eval_prompts, compare=cfg.compare,
-                            **({"coder_dir": cfg.coder_dir or CODER_DIR} if cfg.recipe == "gpu-coder" else {}))
+        workdir = cfg.workdir or ("work/demo-gpu-" + cfg.compare if cfg.compare else "work/demo-gpu")
+        summary = run_gpu_demo(workdir, cfg.config or PRESET, cfg.device, cfg.progress, train_overrides=overrides,
+                               eval_prompts=cfg.eval_prompts, compare=cfg.compare,
+                               **({"coder_dir": cfg.coder_dir or CODER_DIR} if cfg.recipe == "gpu-coder" else {}))
+        _print_outputs(format_outputs(demo_outputs(workdir, "gpu")))
+        return summary
     if cfg.compare is not None:
         raise ConfigError("--compare: a comparison of the GPU recipe; the CPU recipe trains one drafter "
                           "(use --recipe gpu)")
     if cfg.config is not None:
         raise ConfigError("--config: a preset of the GPU recipe; the CPU recipe takes none (use --recipe gpu)")
-    return run_cpu_demo(cfg.cpu())
+    cpu = cfg.cpu()
+    summary = run_cpu_demo(cpu)
+    _print_outputs(format_outputs(demo_outputs(cpu.workdir, "cpu", cpu.responses)))
+    return summary
+
+
+def _print_outputs(lines: str) -> None:
+    """The demo's last lines (dflash/recipes/summary.py format_outputs): where its outputs are, as --workdir names
+    them."""
+    if lines:
+        print()
+        print(lines, flush=True)
