@@ -250,6 +250,8 @@ def test_export_is_world_readable_with_a_readme_and_the_trained_record(tmp_path)
     for flag in ("--speculative-algorithm DFLASH", '"method": "dflash"', "decoding_type: DFlash", "DFlashConverter",
                  '"enable_thinking": false'):
         assert flag in readme, flag
+    # the engines' commands name this export's own path, not a placeholder to fill in
+    assert "DRAFTER" not in readme and f"--speculative-draft-model-path {out.resolve()}" in readme
     # an export is replaced by a new one; a folder that is not an export is refused
     assert CliRunner().invoke(cli_main, ["export", final, "--out", str(out)]).exit_code == 0
     (tmp_path / "notes").mkdir()

@@ -48,6 +48,10 @@ def test_greedy_in_slots_equals_single_sequence(model):
         if any(eng.slot_rows):
             widths.append(eng._width())
     assert eng.overflowed == sum(len(p) + n > 48 for p, n in zip(prompts, max_new)) >= 1
+    # the counts regenerate reports are the slots' and the overflow engine's together: never more real columns
+    # than columns read (the GPU recipe's line said "968,840,716 of them real tokens" of 967,080,966)
+    assert eng.overflow.decode_columns > 0 and eng.decode_columns > eng.overflow.decode_columns
+    assert 0 < eng.decode_real_columns <= eng.decode_columns
     assert eng.prefills > 2 and eng.compactions >= 1 and min(widths) < max(widths)
     assert eng.grows >= 1 and eng.max_len == 48  # from 32 positions (two buckets) to the longest request's 48
     for i, (ref, stop) in enumerate(refs):
@@ -180,3 +184,16 @@ def test_prompts_are_padded_as_row_by_row():
     for i, p in enumerate(prompts):
         want[i, :len(p)] = torch.tensor(p)
     assert torch.equal(ids, want) and lens.tolist() == list(map(len, prompts))
+
+
+def test_a_run_that_all_overflows_counts_the_columns_it_read(model):
+    """Every request longer than a slot: the eager engine beside the slots decodes them all, and its columns are the
+    run's (before, the run reported its real columns against 0 columns read)."""
+    prompts = _prompts(model, 4)
+    eng = SlotEngine(model, eos_ids=set(), slots=2, max_len=16, prefill_tokens=64, refill=1, bucket=16, start_len=16)
+    for i, p in enumerate(prompts):
+        eng.add(Request(p, 20, key=i, priority=(-len(p), i)))
+    while eng.busy:
+        eng.step()
+    assert eng.overflowed == len(prompts)
+    assert 0 < eng.decode_real_columns <= eng.decode_columns and eng.prefill_columns > 0

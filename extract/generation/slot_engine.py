@@ -129,7 +129,9 @@ class SlotEngine:
                                prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
                                follow=follow)
         self.steps = self.prefills = self.generated = self.prompt_tokens = 0
-        self.prefill_columns = self.copied_columns = self.decode_columns = self.varlen_steps = 0
+        # the slots' own counts; the properties add the overflow engine's (decode_real_columns always did, so a
+        # run with overflowed requests read "100%+ of the columns real")
+        self._prefill_columns = self._copied_columns = self._decode_columns = self.varlen_steps = 0
         self._decode_real = 0
         self.seconds = {"prefill": 0.0, "decode": 0.0, "batch_edit": 0.0}
         self.dead = 0
@@ -146,6 +148,18 @@ class SlotEngine:
     @property
     def decode_real_columns(self) -> int:
         return int(self._decode_real) + self.overflow.decode_real_columns
+
+    @property
+    def decode_columns(self) -> int:
+        return self._decode_columns + self.overflow.decode_columns
+
+    @property
+    def prefill_columns(self) -> int:
+        return self._prefill_columns + self.overflow.prefill_columns
+
+    @property
+    def copied_columns(self) -> int:
+        return self._copied_columns + self.overflow.copied_columns
 
     @property
     def busy(self) -> bool:
@@ -224,7 +238,7 @@ class SlotEngine:
             self._busy[slots] = True
             self.prefills += 1
             self.prompt_tokens += int(lens.sum())
-            self.prefill_columns += len(chosen) * width
+            self._prefill_columns += len(chosen) * width
             done += self._emit(slots, first.tolist(), fed=set())
         return done
 
@@ -249,7 +263,7 @@ class SlotEngine:
         varlen = self.dec.varlen_step(n, 1) and own < VARLEN_MAX_SHARE[self.dec.varlen_kernel] * spanned
         with decode_sdpa():
             logits, _ = self.dec.step(self.last[:n, None], self._start[:n], end, varlen=varlen)
-        self.decode_columns += own if varlen else spanned  # the columns the step reads
+        self._decode_columns += own if varlen else spanned  # the columns the step reads
         self.varlen_steps += varlen
         self._decode_real += int(self.pos[live].sum()) + len(live)
         self.last[:n] = self._sample(logits[:, 0].float(), self.slot_rows[:n])
@@ -362,5 +376,5 @@ class SlotEngine:
                 self._forcing.discard(a)
                 self._forcing.add(b)
         self.compactions += 1
-        self.copied_columns += len(src) * self.dec.max_len
+        self._copied_columns += len(src) * self.dec.max_len
         self.seconds["batch_edit"] += time.perf_counter() - t

@@ -94,8 +94,11 @@ def speculators_config(cfg: DrafterConfig, trained: Trained, dtype: str, target:
     }
 
 
-def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None, kinds: dict | None = None) -> str:
-    t = target or "TARGET"
+def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None, kinds: dict | None = None,
+           drafter: str = "DRAFTER") -> str:
+    """The export's README.md: the engines' commands with this drafter's path (`drafter`, the export's absolute
+    path) and the target's."""
+    t, d = target or "TARGET", drafter
     k = cfg.block_size - 1
     dflash2 = cfg.arch == "dflash2"
     name = "DFlash2" if dflash2 else "DFlash"
@@ -117,11 +120,11 @@ def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None, k
                    "candidate selector unused, and draft otherwise than it was trained. Do not serve it with them."]
     if fmt == "speculators" and dflash2:
         body = ["## speculators", "", "```python", "from speculators.models.dflash2 import DFlash2DraftModel",
-                "DFlash2DraftModel.from_pretrained('DRAFTER')", "```", "", *dflash_only]
+                f"DFlash2DraftModel.from_pretrained('{d}')", "```", "", *dflash_only]
     elif fmt == "speculators":
         body = ["## speculators / vLLM", "", "```bash",
-                f"vllm serve {t} --speculative-config '{{\"model\": \"DRAFTER\", \"num_speculative_tokens\": {k}}}'",
-                "```", "", "In Python: `speculators.models.dflash.DFlashDraftModel.from_pretrained(DRAFTER)`."]
+                f"vllm serve {t} --speculative-config '{{\"model\": \"{d}\", \"num_speculative_tokens\": {k}}}'",
+                "```", "", f"In Python: `speculators.models.dflash.DFlashDraftModel.from_pretrained('{d}')`."]
     elif dflash2:
         body = [*dflash_only, "", "## speculators", "",
                 "Its DFlashConverter converts DFlash only. `dflash export --format speculators` writes this drafter "
@@ -129,15 +132,15 @@ def readme(fmt: str, cfg: DrafterConfig, trained: Trained, target: str | None, k
     else:
         body = ["## SGLang", "", "```bash",
                 f"python -m sglang.launch_server --model-path {t} --speculative-algorithm DFLASH "
-                "--speculative-draft-model-path DRAFTER", "```", "",
+                f"--speculative-draft-model-path {d}", "```", "",
                 f"(SGLang reads the block, {cfg.block_size}, the layer ids and the mask token from config.json.)", "",
                 "## vLLM", "", "```bash",
-                f"vllm serve {t} --speculative-config '{{\"method\": \"dflash\", \"model\": \"DRAFTER\", "
+                f"vllm serve {t} --speculative-config '{{\"method\": \"dflash\", \"model\": \"{d}\", "
                 f"\"num_speculative_tokens\": {k}}}'", "```", "",
                 "## TensorRT-LLM", "", "```yaml", "speculative_config:", "  decoding_type: DFlash",
-                "  speculative_model_dir: DRAFTER", f"  max_draft_len: {k}", "```", "",
+                f"  speculative_model_dir: {d}", f"  max_draft_len: {k}", "```", "",
                 "## speculators", "", "```python", "from speculators.convert.dflash import DFlashConverter",
-                f"DFlashConverter().convert('DRAFTER', 'OUT', base_model='{t}')", "```"]
+                f"DFlashConverter().convert('{d}', 'OUT', base_model='{t}')", "```"]
     if SLIDING in cfg.layer_types and not dflash2:
         body += ["", "Sliding-window layers are trained bidirectional within the block: SGLang makes them causal "
                  "(`dflash check` names it)."]
@@ -192,7 +195,7 @@ def export(final: str, fmt: str, out: str, target: str | None = None, chat_templ
     with export_dir(out, precheck=_check_out) as stage:
         atomic_json(os.path.join(stage, CONFIG_NAME), config)
         shutil.copyfile(weights, os.path.join(stage, WEIGHTS_NAME))
-        atomic_write(os.path.join(stage, "README.md"), readme(fmt, cfg, trained, target, kinds))
+        atomic_write(os.path.join(stage, "README.md"), readme(fmt, cfg, trained, target, kinds, os.path.abspath(out)))
     return out
 
 
