@@ -33,7 +33,8 @@ from dflash.core.progress import Bar, EtaRate
 from dflash.recipes.cpu import cpu_paths, cpu_settings, cpu_stage_plan, first_line
 from dflash.recipes.demo import CPU_STAGE_SECONDS, DemoConfig, cpu_demo_time
 from dflash.recipes.stages import StagePlan, stored_result, train_rates
-from dflash.recipes.summary import demo_outputs, format_cpu_summary, format_outputs
+from dflash.recipes.run_demo import demo_outputs, format_outputs
+from dflash.recipes.summary import format_cpu_summary
 from tests.tiny import chat_rows, make_tiny_target, write_jsonl
 
 REPO = Path(__file__).resolve().parent.parent

@@ -3,16 +3,17 @@ coder.py), which read their settings from dflash/recipes/demo.py."""
 
 from __future__ import annotations
 
+import glob
+import os
 from dataclasses import replace
 from typing import Any
 
 from dflash.core.config import ConfigError
 from dflash.recipes.coder import CODER_DIR, PRESETS, WORKDIRS
-from dflash.recipes.cpu import run_cpu_demo
+from dflash.recipes.cpu import cpu_paths, run_cpu_demo
 from dflash.recipes.demo import DemoConfig
 from dflash.recipes.gpu import run_gpu_demo
 from dflash.recipes.gpu_config import PRESET
-from dflash.recipes.summary import demo_outputs, format_outputs
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -48,8 +49,38 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
 
 def _print_outputs(lines: str) -> None:
-    """The demo's last lines (dflash/recipes/summary.py format_outputs): where its outputs are, as --workdir names
+    """The demo's last lines (format_outputs): where its outputs are, as --workdir names
     them."""
     if lines:
         print()
         print(lines, flush=True)
+
+
+def demo_outputs(workdir: str, recipe: str, responses: str = "regenerate") -> list[tuple[str, str]]:
+    """(what, path) for each output a finished demo left under workdir, as workdir names it, in the order a user
+    reads them: the drafter (what `dflash eval`, `check` and `export` take), the eval reports, the plot and the
+    summary. The CPU recipe's paths are dflash/recipes/cpu.py cpu_paths'; the GPU recipe's are run/ and a
+    comparison's run-ARCH/ (its final/, eval-DTYPE.json, acceptance-DTYPE.png) and summary.json. Only those that
+    exist are listed: the lines never name a file that is not there."""
+    if recipe == "cpu":
+        p = cpu_paths(workdir, responses)
+        items = [("drafter", os.path.join(p["run"], "final")), ("eval report", p["eval"]), ("plot", p["plot"]),
+                 ("summary", p["summary"])]
+    else:
+        items = []
+        runs = sorted(glob.glob(os.path.join(glob.escape(workdir), "run-*")))
+        for run in [os.path.join(workdir, "run"), *runs]:
+            tag = "" if os.path.basename(run) == "run" else f" ({os.path.basename(run)[4:]})"
+            items += [(f"drafter{tag}", os.path.join(run, "final"))]
+            items += [(f"eval report{tag}", f) for f in sorted(glob.glob(os.path.join(glob.escape(run), "eval-*.json")))]
+            items += [(f"plot{tag}", f) for f in sorted(glob.glob(os.path.join(glob.escape(run), "acceptance-*.png")))]
+        items.append(("summary", os.path.join(workdir, "summary.json")))
+    return [(what, path) for what, path in items if os.path.exists(path)]
+
+
+def format_outputs(items: list[tuple[str, str]]) -> str:
+    """The demo's last lines: one `demo: WHAT  PATH` line per output (demo_outputs)."""
+    if not items:
+        return ""
+    w = max(len(what) for what, _ in items)
+    return "\n".join(f"demo: {what:<{w}}  {path}" for what, path in items)

@@ -9,7 +9,6 @@ comparison's after it).
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Any
 
@@ -78,38 +77,6 @@ def format_cpu_summary(s: dict[str, Any]) -> str:
     ]
     w = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
-
-
-def demo_outputs(workdir: str, recipe: str, responses: str = "regenerate") -> list[tuple[str, str]]:
-    """(what, path) for each output a finished demo left under workdir, as workdir names it, in the order a user
-    reads them: the drafter (what `dflash eval`, `check` and `export` take), the eval reports, the plot and the
-    summary. The CPU recipe's paths are dflash/recipes/cpu.py cpu_paths'; the GPU recipe's are run/ and a
-    comparison's run-ARCH/ (its final/, eval-DTYPE.json, acceptance-DTYPE.png) and summary.json. Only those that
-    exist are listed: the lines never name a file that is not there."""
-    if recipe == "cpu":
-        from dflash.recipes.cpu import cpu_paths  # (cpu.py imports this module)
-
-        p = cpu_paths(workdir, responses)
-        items = [("drafter", os.path.join(p["run"], "final")), ("eval report", p["eval"]), ("plot", p["plot"]),
-                 ("summary", p["summary"])]
-    else:
-        items = []
-        runs = sorted(glob.glob(os.path.join(glob.escape(workdir), "run-*")))
-        for run in [os.path.join(workdir, "run"), *runs]:
-            tag = "" if os.path.basename(run) == "run" else f" ({os.path.basename(run)[4:]})"
-            items += [(f"drafter{tag}", os.path.join(run, "final"))]
-            items += [(f"eval report{tag}", f) for f in sorted(glob.glob(os.path.join(glob.escape(run), "eval-*.json")))]
-            items += [(f"plot{tag}", f) for f in sorted(glob.glob(os.path.join(glob.escape(run), "acceptance-*.png")))]
-        items.append(("summary", os.path.join(workdir, "summary.json")))
-    return [(what, path) for what, path in items if os.path.exists(path)]
-
-
-def format_outputs(items: list[tuple[str, str]]) -> str:
-    """The demo's last lines: one `demo: WHAT  PATH` line per output (demo_outputs)."""
-    if not items:
-        return ""
-    w = max(len(what) for what, _ in items)
-    return "\n".join(f"demo: {what:<{w}}  {path}" for what, path in items)
 
 
 def bars(ev: dict[str, Any]) -> dict[str, Any]:
