@@ -125,7 +125,18 @@ def test_pyproject_lists_every_package_of_the_checkout():
     import tomllib
 
     tool = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {pkg: REPO / tool.get("package-dir", {}).get(pkg, pkg.replace(".", "/")) for pkg in tool["packages"]}
+    mapped = tool.get("package-dir", {})
+
+    def folder_of(pkg: str) -> Path:
+        """The folder setuptools builds a package from: its own package-dir entry, else its nearest mapped parent's
+        folder plus the rest of its name (dflash.train.fit: train/fit)."""
+        parts = pkg.split(".")
+        for n in range(len(parts), 0, -1):
+            if ".".join(parts[:n]) in mapped:
+                return REPO / mapped[".".join(parts[:n])] / Path(*parts[n:]) if parts[n:] else REPO / mapped[pkg]
+        return REPO / Path(*parts)
+
+    folders = {pkg: folder_of(pkg) for pkg in tool["packages"]}
     assert all((f / "__init__.py").is_file() for f in folders.values()), folders
     want = set()
     for root_pkg, folder in (("dflash", REPO / "dflash"), ("dflash.extract", REPO / "extract"),

@@ -16,7 +16,7 @@ Routed experts mix nothing across tokens. Any other kind is refused, naming it, 
 
     kinds = layer_kinds(cfg)                                # per decoder layer, from the config
     check_layer_kinds(cfg, "--target X")                    # HybridError naming an unsupported kind
-    docs = DocLayout.of(doc_ids)                            # per forward: conv tap masks, segments, cu_seqlens
+    docs = DocLayout.of(doc_ids, host=doc_host)             # per forward: conv tap masks, segments, cu_seqlens
     with_documents(model, get_docs)                         # linear layers read get_docs() in each forward
     masks = attention_masks(cfg, doc_ids, impl)             # a mask per attention kind (bool / float / BlockMask)
 
@@ -31,6 +31,7 @@ own chunked delta rule once per conversation (what a conversation run alone call
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 from typing import Callable
@@ -168,12 +169,17 @@ def _fla_chunk_rule():
     return chunk_gated_delta_rule
 
 
+@functools.lru_cache(maxsize=None)
+def _fla_takes(fla) -> frozenset:
+    import inspect
+
+    return frozenset(inspect.signature(fla).parameters)
+
+
 def _fla_host_indices(fla, docs: DocLayout) -> dict:
     """The layout's host-built indices, for a flash-linear-attention version that takes them (0.6 does): without
     them it derives them from cu_seqlens with a device-to-host copy in every layer."""
-    import inspect
-
-    params = inspect.signature(fla).parameters
+    params = _fla_takes(fla)
     out = {}
     if "cu_seqlens_cpu" in params:
         out["cu_seqlens_cpu"] = docs.cu_seqlens_cpu
