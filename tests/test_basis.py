@@ -26,6 +26,7 @@ from dflash_cache import basis as basis_mod
 from tests.test_extract import (LAYERS, PY, REPO, cli_env, commits_on_disk, data_path, dataset_rows,  # noqa: F401
                                 error_line, extract_args, hf_datasets_cache, run_cli, targets, work)
 from tests.test_extract import cli  # noqa: F401
+from tests.tiny import chat_rows, write_jsonl
 
 RANK = 48  # of K*H = 3 * 64 = 192
 
@@ -254,6 +255,13 @@ def test_train_on_a_basis_writes_the_composed_drafter(work, targets, basis_cache
     assert load_file(str(work / "export-basis" / "model.safetensors"))["fc.weight"].shape == (64, len(LAYERS) * 64)
     ck = run / "checkpoints" / (run / "checkpoints" / "latest").read_text().strip()
     r = cli("export", ck, "--format", "zlab", "--out", work / "export-ck")
+    assert r.exit_code == 2 and "basis_rank" in error_line(r.stderr), r.output
+    # so are `check` and `eval` of it (its fc reads z = P x, which neither an engine nor the target's forward gives)
+    r = cli("check", ck)
+    assert r.exit_code == 2 and "basis_rank" in error_line(r.stderr), r.output
+    data = write_jsonl(work / "eval-basis.jsonl", chat_rows(2, seed=9))
+    r = cli("eval", "--target", targets["qwen3"], "--drafter", ck, "--data", data, "--max-prompts", 1,
+            "--max-new-tokens", 4)
     assert r.exit_code == 2 and "basis_rank" in error_line(r.stderr), r.output
 
 

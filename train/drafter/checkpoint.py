@@ -176,7 +176,11 @@ def read_drafter_config(path: str) -> DrafterConfig:
 
 def check_fits_target(cfg: DrafterConfig, path: str, target_cfg, target: str) -> None:
     """A DrafterError when the drafter at `path` cannot draft for the target of HF text config `target_cfg`: another
-    hidden size or vocabulary, or context layers the target does not have."""
+    hidden size or vocabulary, or context layers the target does not have; or a training checkpoint whose fc reads
+    features on a cache's basis (z = P x), which no forward of the target gives."""
+    if cfg.basis_rank:
+        raise DrafterError(f"{path} reads the target's features on a cache's basis (dflash_config.basis_rank "
+                           f"{cfg.basis_rank}), not its layers: use the run's final/, written with the composed fc")
     L = target_cfg.num_hidden_layers
     if cfg.hidden_size != target_cfg.hidden_size:
         raise DrafterError(f"{path} drafts for a target of hidden size {cfg.hidden_size}; --target {target} has hidden "
