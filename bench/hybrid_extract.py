@@ -142,7 +142,7 @@ def main():
         save()
     if "errors" not in skip:
         most = max(bs, key=lambda b: int((b["doc_ids"].diff(dim=1) != 0).sum()))  # the most conversations
-        res["per_conversation"] = conversation_errors(pt, target, most, layer_ids)
+        res["per_conversation"] = conversation_errors(pt, most, layer_ids)
         save()
     if "compiled" not in skip:
         first = (bs[0]["input_ids"], bs[0]["position_ids"], bs[0]["doc_ids"])
@@ -167,10 +167,10 @@ def main():
         save()
 
 
-def conversation_errors(pt, target: str, batch: dict, layer_ids: list[int]) -> dict:
+def conversation_errors(pt, batch: dict, layer_ids: list[int]) -> dict:
     """Relative error of each conversation's packed features against it run alone (bf16, same GPU), split into the
     first conversation of each row and the later ones; and the same for the rows without separation."""
-    from dflash.core.target import load_causal_lm
+    from dflash.core.hybrid import DocLayout
 
     model = pt.model
     ids, doc = batch["input_ids"], batch["doc_ids"]
@@ -184,23 +184,22 @@ def conversation_errors(pt, target: str, batch: dict, layer_ids: list[int]) -> d
         model(input_ids=ids, use_cache=False)
     pt.capture.out = None
     first, later, plain_later = [], [], []
-    for r in range(R):
-        row = doc[r].tolist()
-        starts = [t for t in range(T) if row[t] != 0 and (t == 0 or row[t - 1] != row[t])]
-        for j, s in enumerate(starts):
-            e = s
-            while e < T and row[e] == row[s]:
-                e += 1
-            alone = torch.zeros(1, e - s, K * 5120, dtype=torch.bfloat16, device="cuda")
-            pt.capture.out = alone
-            with torch.inference_mode():
-                model(input_ids=ids[r:r + 1, s:e], use_cache=False)
-            pt.capture.out = None
-            a = alone[0].float()
-            err = float((out[r, s:e].float() - a).norm() / a.norm())
-            (first if j == 0 else later).append(err)
-            if j:
-                plain_later.append(float((plain[r, s:e].float() - a).norm() / a.norm()))
+    lay = DocLayout.of(doc)
+    prev_row = -1
+    for (r, s, e), real in zip(lay.segments, lay.real):
+        is_first, prev_row = r != prev_row, r
+        if not real:
+            continue
+        alone = torch.zeros(1, e - s, K * 5120, dtype=torch.bfloat16, device="cuda")
+        pt.capture.out = alone
+        with torch.inference_mode():
+            model(input_ids=ids[r:r + 1, s:e], use_cache=False)
+        pt.capture.out = None
+        a = alone[0].float()
+        err = float((out[r, s:e].float() - a).norm() / a.norm())
+        (first if is_first else later).append(err)
+        if not is_first:
+            plain_later.append(float((plain[r, s:e].float() - a).norm() / a.norm()))
     mx = lambda x: round(max(x), 5) if x else None  # noqa: E731
     return {"first_max": mx(first), "later_max": mx(later), "later_n": len(later),
             "unseparated_later_max": mx(plain_later)}

@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import torch
 
-from dflash.core.hybrid import HybridError, check_layer_kinds, layer_kinds
+from dflash.core.hybrid import HybridError, check_layer_kinds, is_hybrid, layer_kinds
 
 
 def needs_kind_cache(model) -> bool:
     """Whether the target has a layer that is not plain full attention (its cache must be laid out per kind)."""
-    return any(k != "full_attention" for k in layer_kinds(model.config))
+    return is_hybrid(model.config)
 
 
 def eager_reason(model) -> str | None:

@@ -237,9 +237,10 @@ def _act(name: str):
     return ACT2FN[name]
 
 
-def per_conversation(module, forward: Callable, hidden_states: torch.Tensor, docs: DocLayout, **kwargs):
+@torch.compiler.disable
+def per_conversation(forward: Callable, hidden_states: torch.Tensor, docs: DocLayout, **kwargs):
     """A mixer's own forward once per conversation ([1, n, D] each, no cache): exact for any layer whose output
-    depends on its own conversation only."""
+    depends on its own conversation only. Outside any compiled graph: the conversations are data."""
     out = torch.zeros_like(hidden_states)
     for (r, a, b), real in zip(docs.segments, docs.real):
         if real:
@@ -272,7 +273,7 @@ def with_documents(model, get_docs: Callable[[], DocLayout | None]) -> int:
                 return _own(hidden_states, *args, **kwargs)
             if _gdn:
                 return varlen_gated_delta_net(_mod, hidden_states, docs)
-            return per_conversation(_mod, torch.compiler.disable(_own), hidden_states, docs)
+            return per_conversation(_own, hidden_states, docs)
 
         mod.forward = forward
         mod._dflash_documents = True

@@ -279,19 +279,39 @@ class Engine:
             real[i, width - len(r.prompt):] = True
         ids, real = ids.to(dev), real.to(dev)
         pos = (real.long().cumsum(-1) - 1).clamp_(min=0)
-        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
-        eye = torch.eye(width, dtype=torch.bool, device=dev)
-        mask4 = (causal & (real[:, None, :] | eye))[:, None]  # [k, 1, q, kv]; a pad query sees only itself
-        cache = slab_cache()
-        logits = self._forward(ids, pos, mask4, cache)
-        if not bool(real.all()):
-            for layer in cache.layers:
-                layer.zero_columns(~real)
+        logits, cache = self._prefill_forward(ids, pos, real)
         rows = [_Row(r) for r in reqs]
         self.prefills += 1
         self.prompt_tokens += sum(len(r.prompt) for r in reqs)
         self.prefill_columns += k * width
         return _Chunk(cache, real, self._sample(logits, rows), rows, width)
+
+    # -- the cache and mask: what a per-kind engine (extract/generation/kind_engine.py) does otherwise ------------
+    def _prefill_forward(self, ids, pos, real) -> tuple[torch.Tensor, Any]:
+        """(last logits, new cache) of a left-padded prefill: a 4D boolean mask (a pad query sees only itself) over
+        a SlabCache, whose padding columns are then zeroed."""
+        width, dev = ids.shape[1], ids.device
+        causal = torch.ones(width, width, dtype=torch.bool, device=dev).tril_()
+        eye = torch.eye(width, dtype=torch.bool, device=dev)
+        mask4 = (causal & (real[:, None, :] | eye))[:, None]  # [k, 1, q, kv]
+        cache = slab_cache()
+        logits = self._forward(ids, pos, mask4, cache)
+        if not bool(real.all()):
+            for layer in cache.layers:
+                layer.zero_columns(~real)
+        return logits, cache
+
+    def _decode_mask(self) -> torch.Tensor:
+        """The attention mask of a decode step from the batch's real-token mask [B, columns]."""
+        return self.mask[:, None, None, :]
+
+    def _stack(self, caches: list, width: int):
+        """The caches of a refill's parts as one, right-aligned at `width` columns."""
+        return cache_stack(caches, width)
+
+    def _select(self, cache, idx: torch.Tensor, trim: int) -> None:
+        """Keep the rows idx of the cache, less its first `trim` columns (in place)."""
+        cache_select(cache, idx, trim)
 
     def _merge(self, chunks: list[_Chunk]) -> list[Result]:
         """The refill's prefilled chunks into the running batch, right-aligned: ONE copy of the batch's cache per
@@ -305,7 +325,7 @@ class Engine:
             w = max(p[1].shape[1] for p in parts)
             pad = torch.nn.functional.pad
             self.copied_columns += sum(p[1].shape[0] for p in parts) * w
-            self.cache = cache_stack([p[0] for p in parts], w)
+            self.cache = self._stack([p[0] for p in parts], w)
             self.mask = torch.cat([pad(p[1], (w - p[1].shape[1], 0)) for p in parts], 0)
             self.last = torch.cat([p[2] for p in parts])
             self.pos = torch.cat([p[3] for p in parts])
@@ -318,7 +338,7 @@ class Engine:
     def _decode(self) -> list[Result]:
         B = len(self.rows)
         self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
-        logits = self._forward(self.last[:, None], self.pos[:, None], self.mask[:, None, None, :], self.cache)
+        logits = self._forward(self.last[:, None], self.pos[:, None], self._decode_mask(), self.cache)
         self.decode_columns += B * self.mask.shape[1]
         self._decode_real = self._decode_real + (self.pos.sum() + B)
         self.pos = self.pos + 1
@@ -387,5 +407,5 @@ class Engine:
         self.mask = mask[:, trim:]
         self.copied_columns += len(keep) * self.mask.shape[1]
         self.last, self.pos = self.last[idx], self.pos[idx]
-        cache_select(self.cache, idx, trim)
+        self._select(self.cache, idx, trim)
         self.rows = [self.rows[i] for i in keep]

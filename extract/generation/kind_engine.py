@@ -23,12 +23,13 @@ import torch
 from dflash.core.decode_state import decoding_cache, select_rows, stack_rows
 from dflash.core.target import decode_sdpa
 
-from dflash.extract.generation.engine import Engine, Result, _Chunk, _Row
+from dflash.extract.generation.engine import Engine
 
 
 class KindEngine(Engine):
-    """Engine's interface (add, step, busy, its statistics) over a cache laid out per layer kind (module
-    docstring)."""
+    """Engine's interface (add, step, busy, its statistics) and its refill, decode and compaction steps over a cache
+    laid out per layer kind: only the forward, the cache's creation, stacking and selection and the mask differ
+    (module docstring)."""
 
     def _forward(self, ids, pos, real2d, cache):
         kw = {"input_ids": ids, "position_ids": pos, "attention_mask": real2d.long(), self._cache_kw: cache,
@@ -39,68 +40,15 @@ class KindEngine(Engine):
             logits = self.model(**kw).logits
         return logits[:, -1].float()
 
-    @torch.inference_mode()
-    def _prefill(self, reqs, width: int) -> _Chunk:
-        k, dev = len(reqs), self.device
-        ids = torch.full((k, width), self.pad_id, dtype=torch.long)
-        real = torch.zeros((k, width), dtype=torch.bool)
-        for i, r in enumerate(reqs):
-            ids[i, width - len(r.prompt):] = torch.tensor(r.prompt, dtype=torch.long)
-            real[i, width - len(r.prompt):] = True
-        ids, real = ids.to(dev), real.to(dev)
-        pos = (real.long().cumsum(-1) - 1).clamp_(min=0)
+    def _prefill_forward(self, ids, pos, real):
         cache = decoding_cache(self.model)
-        logits = self._forward(ids, pos, real, cache)
-        rows = [_Row(r) for r in reqs]
-        self.prefills += 1
-        self.prompt_tokens += sum(len(r.prompt) for r in reqs)
-        self.prefill_columns += k * width
-        return _Chunk(cache, real, self._sample(logits, rows), rows, width)
+        return self._forward(ids, pos, real, cache), cache
 
-    def _merge(self, chunks: list[_Chunk]) -> list[Result]:
-        parts = [(self.cache, self.mask, self.last, self.pos)] if self.rows else []
-        parts += [(c.cache, c.real, c.first, c.real.sum(-1)) for c in chunks]
-        if len(parts) == 1:
-            self.cache, self.mask, self.last, self.pos = parts[0]
-        else:
-            w = max(p[1].shape[1] for p in parts)
-            pad = torch.nn.functional.pad
-            self.copied_columns += sum(p[1].shape[0] for p in parts) * w
-            self.cache = stack_rows([p[0] for p in parts], w)
-            self.mask = torch.cat([pad(p[1], (w - p[1].shape[1], 0)) for p in parts], 0)
-            self.last = torch.cat([p[2] for p in parts])
-            self.pos = torch.cat([p[3] for p in parts])
-        base = len(self.rows)
-        for c in chunks:
-            self.rows.extend(c.rows)
-        return self._emit(torch.cat([c.first for c in chunks]).tolist(), start=base)
+    def _decode_mask(self) -> torch.Tensor:
+        return self.mask
 
-    @torch.inference_mode()
-    def _decode(self) -> list[Result]:
-        B = len(self.rows)
-        self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.bool, device=self.device)], 1)
-        logits = self._forward(self.last[:, None], self.pos[:, None], self.mask, self.cache)
-        self.decode_columns += B * self.mask.shape[1]
-        self._decode_real = self._decode_real + (self.pos.sum() + B)
-        self.pos = self.pos + 1
-        self.last = self._sample(logits, self.rows)
-        self.steps += 1
-        fed = [i for i, r in enumerate(self.rows) if r.forced and not r.done] if self.follow is not None else []
-        if fed:
-            self.last[fed] = torch.tensor([self.rows[i].forced.popleft() for i in fed], device=self.device)
-        return self._emit(self.last.tolist(), start=0, skip=set(fed))
+    def _stack(self, caches: list, width: int):
+        return stack_rows(caches, width)
 
-    def _retain(self, keep: list[int]) -> None:
-        self.dead = 0
-        self.compactions += 1
-        if not keep:
-            self.rows, self.cache, self.mask, self.last, self.pos = [], None, None, None, None
-            return
-        idx = torch.tensor(keep, dtype=torch.long, device=self.device)
-        mask = self.mask[idx]
-        trim = int(mask.any(0).long().argmax())  # leading columns that are padding for every kept row
-        self.mask = mask[:, trim:]
-        self.copied_columns += len(keep) * self.mask.shape[1]
-        self.last, self.pos = self.last[idx], self.pos[idx]
-        select_rows(self.cache, idx, trim)
-        self.rows = [self.rows[i] for i in keep]
+    def _select(self, cache, idx: torch.Tensor, trim: int) -> None:
+        select_rows(cache, idx, trim)

@@ -249,7 +249,8 @@ def check_drafter(path: str) -> Verdict:
     problem = field_problem(config)
     if problem:
         raise DrafterError(f"{path}: {CONFIG_NAME}: {problem}")
-    rank = (config.get("dflash_config") or {}).get("basis_rank") if isinstance(config.get("dflash_config"), dict) else 0
+    dc = config.get("dflash_config")
+    rank = dc.get("basis_rank") if isinstance(dc, dict) else 0
     if rank:  # a training checkpoint on a cache's basis: no engine gives its fc the features it reads
         raise DrafterError(f"{path}: its fc reads features on a cache's basis (dflash_config.basis_rank {rank} in its "
                            f"{CONFIG_NAME}), which no engine gives it: check the run's final/ (the composed fc)")
