@@ -212,8 +212,7 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
     tr = run_train(build(TrainConfig, preset, "train", dict(base, **(train_overrides or {}))))
     timings["train" + tail] = time.perf_counter() - t  # with follow: only what was left after the extraction
     evals = {}
-    # the in-source and out-of-source prompts (heldout.jsonl alternates them: a prefix samples both)
-    n_eval = eval_prompts or recipe.eval_prompts + int(prep.counts.get("out_of_source_prompts") or 0)
+    n_eval = eval_prompt_total(recipe, prep.counts, eval_prompts)
     for i, dtype in enumerate(recipe.eval_dtypes if eval_dtypes is None else eval_dtypes):
         path = os.path.join(run, f"eval-{dtype}{'-' + eval_tag if eval_tag else ''}.json")
         if os.path.exists(path) and os.path.getmtime(path) > os.path.getmtime(os.path.join(run, "final")):
@@ -231,6 +230,14 @@ def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str =
             "plot": os.path.join(run, f"acceptance-{dtype}.png") if i == 0 else None} | (eval_overrides or {})))
         timings[f"eval {dtype}{tail}"] = time.perf_counter() - t
     return {"train": tr, "eval": evals}
+
+
+def eval_prompt_total(recipe, counts: dict, eval_prompts: int | None = None) -> int:
+    """The prompts the first eval runs (--eval-prompts when given): the in-source ones, the out-of-source ones and
+    every eval source's (counts: mix_sources' record). heldout.jsonl alternates the sets, so a prefix samples each
+    alike: a total short of their sum would cut every set, HumanEval's 164 prompts to a third."""
+    return eval_prompts or recipe.eval_prompts + int(counts.get("out_of_source_prompts") or 0) \
+        + sum(int(s.get("prompts") or 0) for s in (counts.get("eval_sources") or {}).values())
 
 
 class WorkTime:
