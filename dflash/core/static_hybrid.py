@@ -83,6 +83,18 @@ def hybrid_unsupported(model) -> str | None:
     return None
 
 
+def linear_state_bytes(cfg, dtype: torch.dtype) -> int:
+    """A slot's linear-attention state in HybridDecoder (conv windows in `dtype`, float32 recurrent states) for a
+    text config; 0 for a target without linear-attention layers. The slot engine plans its slots with it."""
+    n = sum(1 for k in (getattr(cfg, "layer_types", None) or []) if k == "linear_attention")
+    if not n:
+        return 0
+    hk, hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    conv = (2 * hk * dk + hv * dv) * (cfg.linear_conv_kernel_dim - 1) * torch.finfo(dtype).bits // 8
+    return n * (conv + hv * dk * dv * 4)
+
+
 def _l2norm(x: torch.Tensor) -> torch.Tensor:
     """transformers' l2norm (eps 1e-6), as its delta rules apply it to q and k."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
