@@ -34,8 +34,10 @@ step is captured once as a CUDA graph and replayed as one launch:
 
 The layers are the HF model's own modules (norms, projections, MLP, embedding, LM head, rotary frequencies); only
 the attention and its cache are this module's. Supported: the Llama family of decoder layers (Llama, Qwen2,
-Qwen3 with its q/k norms, Mistral without a sliding window) with full attention and a static rotary embedding;
-`unsupported(model)` names what stops any other model, whose callers keep the HF forward.
+Qwen3 with its q/k norms, Mistral without a sliding window) with full attention and a static rotary embedding, and
+Qwen3.5 / 3.6 hybrids (Gated DeltaNet + gated full attention, dflash.core.static_hybrid's HybridDecoder, whose
+linear states a verify records and accept() rolls back); static_decoder(model) builds the one a model needs and
+`unsupported(model)` names what stops any other model (experts, sliding windows), whose callers keep the HF forward.
 """
 
 from __future__ import annotations
