@@ -36,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import hardware, table  # noqa: E402
 from bench.hybrid_extract import QWEN36_27B  # noqa: E402
-from dflash.core.static_decode import static_decoder  # noqa: E402
+from dflash.core.static import static_decoder  # noqa: E402
 from dflash.core.target import decode_sdpa  # noqa: E402
 
 

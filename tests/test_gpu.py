@@ -300,7 +300,7 @@ def test_hybrid_captured_steps_equal_the_eager_ones_and_the_hf_forward(tmp_path)
     from test_hybrid_static import long_memory
     from workload import hf_greedy
 
-    from dflash.core.static_decode import static_decoder
+    from dflash.core.static import static_decoder
     from dflash.core.target import load_causal_lm
     from dflash.extract.generation.generate import generate
     from dflash.train.evaluate.decode import speculative

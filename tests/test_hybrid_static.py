@@ -21,7 +21,8 @@ import random
 import pytest
 import torch
 
-from dflash.core.static_decode import StaticDecoder, static_decoder, unsupported
+from dflash.core.static import static_decoder, unsupported
+from dflash.core.static_decode import StaticDecoder
 from dflash.core.static_hybrid import HybridDecoder
 from dflash.core.target import load_causal_lm
 from dflash.extract.generation.generate import generate
@@ -239,5 +240,5 @@ def test_experts_and_sliding_windows_stay_on_the_eager_path(work):
         assert unsupported(m) is not None
         with pytest.raises(ValueError, match="cannot run"):
             static_decoder(m, slots=1, max_len=32)
-    with pytest.raises(ValueError, match="static_decoder"):
+    with pytest.raises(ValueError, match="HybridDecoder"):
         StaticDecoder(load_causal_lm(make_tiny_family(work / "text", "qwen3_5", num_layers=4)), slots=1, max_len=32)

@@ -36,8 +36,9 @@ The layers are the HF model's own modules (norms, projections, MLP, embedding, L
 the attention and its cache are this module's. Supported: the Llama family of decoder layers (Llama, Qwen2,
 Qwen3 with its q/k norms, Mistral without a sliding window) with full attention and a static rotary embedding, and
 Qwen3.5 / 3.6 hybrids (Gated DeltaNet + gated full attention, dflash.core.static_hybrid's HybridDecoder, whose
-linear states a verify records and accept() rolls back); static_decoder(model) builds the one a model needs and
-`unsupported(model)` names what stops any other model (experts, sliding windows), whose callers keep the HF forward.
+linear states a verify records and accept() rolls back); dflash.core.static's static_decoder(model) builds the one a
+model needs and its unsupported(model) names what stops any other model (experts, sliding windows), whose callers
+keep the HF forward.
 """
 
 from __future__ import annotations
@@ -50,27 +51,16 @@ SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer
 HYBRID_LAYERS = ("Qwen3_5DecoderLayer",)  # Gated DeltaNet + gated full attention: dflash.core.static_hybrid
 
 
-def static_decoder(model, **kwargs):
-    """The static decoder of `model` (StaticDecoder's arguments): HybridDecoder (dflash.core.static_hybrid) for a
-    target with linear-attention layers, else StaticDecoder."""
-    if {type(layer).__name__ for layer in decoder_layers(model)} <= set(HYBRID_LAYERS):
-        from .static_hybrid import HybridDecoder
-
-        return HybridDecoder(model, **kwargs)
-    return StaticDecoder(model, **kwargs)
-
-
 def unsupported(model) -> str | None:
-    """None when StaticDecoder can run `model`, else why not (in words)."""
+    """None when StaticDecoder can run `model`, else why not (in words). Callers ask dflash.core.static, which also
+    knows the hybrid decoder."""
     try:
         layers = decoder_layers(model)
     except Exception as e:  # noqa: BLE001 - any model without a layer list is simply not supported
         return str(e)
     kinds = {type(layer).__name__ for layer in layers}
     if kinds <= set(HYBRID_LAYERS):
-        from .static_hybrid import hybrid_unsupported
-
-        return hybrid_unsupported(model)
+        return "linear-attention layers (dflash.core.static_hybrid's HybridDecoder runs them)"
     if not kinds <= set(SUPPORTED_LAYERS):
         return f"decoder layers of type {sorted(kinds - set(SUPPORTED_LAYERS))[0]}"
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -360,8 +350,6 @@ class StaticDecoder:
     def __init__(self, model, slots: int, max_len: int, layer_ids: list[int] | None = None, bucket: int = 256,
                  graphs: bool = True, max_q: int = 16, fused: bool | None = None, varlen: bool | str | None = None):
         why = unsupported(model)
-        if why is None and {type(layer).__name__ for layer in decoder_layers(model)} <= set(HYBRID_LAYERS):
-            why = "linear-attention layers (static_decoder() builds their HybridDecoder)"
         if why is not None:
             raise ValueError(f"the static decoder cannot run this model: {why}")
         self.model = model

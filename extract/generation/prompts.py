@@ -118,7 +118,7 @@ class Sampler:
 
         batch, max_tokens, prefill = self.engine
         if self.graphs and self.decoder is None:  # one static decoder (and its CUDA graphs) for every part
-            from dflash.core.static_decode import static_decoder
+            from dflash.core.static import static_decoder
 
             self.decoder = static_decoder(self.model, slots=batch, max_len=len(self.ids) + settings["max_new_tokens"],
                                           max_q=1)

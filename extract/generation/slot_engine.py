@@ -34,7 +34,8 @@ import numpy as np
 import torch
 
 from dflash.core.decode_state import needs_kind_cache
-from dflash.core.static_decode import StaticDecoder, static_decoder, unsupported
+from dflash.core.static import static_decoder, unsupported
+from dflash.core.static_decode import StaticDecoder
 from dflash.core.target import decode_sdpa, text_config
 
 from dflash.extract.generation.engine import Continuation, Engine, Request, Result, _Row, continue_row, end_of_turn

@@ -311,7 +311,7 @@ def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, d
 def static_target(cfg: EvalConfig, model, layer_ids: list[int], max_len: int, block_size: int):
     """StaticTarget (the target's steps in CUDA graphs) when cfg.target_graph allows it and the device and the
     model can; None for the HF forward. --target-graph on where it cannot is an error naming why."""
-    from dflash.core.static_decode import unsupported
+    from dflash.core.static import unsupported
 
     cuda = next(model.parameters()).device.type == "cuda"
     why = None if cuda else "not on a CUDA device"

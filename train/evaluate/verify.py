@@ -169,7 +169,7 @@ class StaticTarget:
     accepted one (HybridDecoder.accept, device ops only)."""
 
     def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True):
-        from dflash.core.static_decode import static_decoder
+        from dflash.core.static import static_decoder
 
         self.model = model
         self.device = next(model.parameters()).device
