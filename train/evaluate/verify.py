@@ -184,7 +184,7 @@ class StaticTarget:
         self.cache = None
 
     def reset(self):
-        pass
+        self._verified = None  # a new prompt's prefill sets every state; nothing of the last decode is accepted
 
     def prepare(self) -> int:
         """Capture now every step this target can take (the 1-token step and the block's verify at every span
