@@ -286,3 +286,72 @@ def test_hybrid_packed_rows_on_gpu_equal_each_conversation_alone(tmp_path, famil
     assert max(errs.values()) < 5e-3, errs
     runner, report = compiled_or_eager(target, (t["input_ids"], t["position_ids"], t["doc_ids"]))
     assert report["passed"], report
+
+
+def test_hybrid_captured_steps_equal_the_eager_ones_and_the_hf_forward(tmp_path):
+    """A Qwen3.5 hybrid in float32 (dflash/core/static_hybrid.py): one-token steps of 4 rows at their own positions
+    and a 16-token verify with per-row accept, replayed as CUDA graphs, give the uncaptured decoder's logits and
+    states and the HF forward's logits (a capture's warm-up must not advance the recurrent states); eval's
+    StaticTarget with partial acceptances and the slot engine decode the target's greedy tokens. (The HF forward
+    runs flash-linear-attention's chunked kernel where it is installed, whose float32 dots may be TF32: hence its
+    looser tolerance.)"""
+    from tiny import make_tiny_family
+    from test_hybrid_decoding import Oracle, prompts_of
+    from test_hybrid_static import long_memory
+    from workload import hf_greedy
+
+    from dflash.core.static import static_decoder
+    from dflash.core.target import load_causal_lm
+    from dflash.extract.generation.generate import generate
+    from dflash.train.evaluate.decode import speculative
+    from dflash.train.evaluate.verify import StaticTarget
+
+    path = long_memory(make_tiny_family(str(tmp_path / "qwen3_5"), "qwen3_5", num_layers=4, seed=7), "qwen3_5")
+    m = load_causal_lm(path, device=torch.device("cuda:0"), dtype=torch.float32).eval()
+    V = m.config.vocab_size
+    ids = torch.randint(3, V, (4, 80), generator=torch.Generator().manual_seed(0)).cuda()
+    eager, graph = (static_decoder(m, slots=4, max_len=96, layer_ids=[1, 3], bucket=16, graphs=on, max_q=16)
+                    for on in (False, True))
+    lens = torch.tensor([5, 17, 30, 9], device="cuda")
+    for d in (eager, graph):
+        d.prefill(ids[:, :30], torch.arange(4, device="cuda"), lens)
+
+    def hf(r, n):
+        with torch.inference_mode():
+            return m(input_ids=ids[r:r + 1, :n]).logits[0]
+
+    pos = lens.clone()
+    for _ in range(12):  # one-token steps, then the same shapes replayed
+        step = ids.gather(1, pos[:, None])
+        (a, ha), (b, hb) = (d.step(step, pos, int(pos.max()) + 1) for d in (eager, graph))
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hb, ha, atol=1e-5, rtol=1e-5)
+        for r in range(4):
+            torch.testing.assert_close(b[r, 0], hf(r, int(pos[r]) + 1)[-1], atol=2e-3, rtol=2e-3)
+        pos += 1
+    for rnd in range(2):  # 16-token verifies (recorded), each row keeping its own share
+        block = ids.gather(1, pos[:, None] + torch.arange(16, device="cuda"))
+        (a, _), (b, _) = (d.step(block, pos, int(pos.max()) + 16) for d in (eager, graph))
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        keep = torch.tensor([1, 16, 7, 3], device="cuda") if rnd == 0 else torch.tensor([12, 2, 16, 5], device="cuda")
+        for d in (eager, graph):
+            d.accept(keep, n=4)
+        torch.testing.assert_close(graph.rec, eager.rec, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(graph.conv, eager.conv, atol=1e-5, rtol=1e-5)
+        pos += keep
+        step = ids.gather(1, pos[:, None])
+        b, _ = graph.step(step, pos, int(pos.max()) + 1)
+        eager.step(step, pos, int(pos.max()) + 1)
+        for r in range(4):
+            torch.testing.assert_close(b[r, 0], hf(r, int(pos[r]) + 1)[-1], atol=2e-3, rtol=2e-3)
+        pos += 1
+    assert graph.captures >= 3 and not eager.captures
+    p = prompts_of([11], seed=1)[0]
+    ref = hf_greedy(m, p, 40)
+    st = StaticTarget(m, [1, 3], max_len=64, block_size=16)
+    assert st.prepare() > 0 and st.attention == "static-graph"
+    dec = speculative(st, Oracle(p, ref, [0, 2, 1, 3], V), p, 36, set())
+    assert dec.tokens == ref[:36] and min(dec.accept_lengths) < 16
+    prompts = [ids[i, :n].tolist() for i, n in enumerate((5, 17, 30, 9))]
+    static = generate(m, prompts, eos_ids=set(), max_new_tokens=24, batch_size=2, refill=1, engine="static")
+    assert [r.tokens for r in static] == [hf_greedy(m, q, 24) for q in prompts]

@@ -34,8 +34,11 @@ step is captured once as a CUDA graph and replayed as one launch:
 
 The layers are the HF model's own modules (norms, projections, MLP, embedding, LM head, rotary frequencies); only
 the attention and its cache are this module's. Supported: the Llama family of decoder layers (Llama, Qwen2,
-Qwen3 with its q/k norms, Mistral without a sliding window) with full attention and a static rotary embedding;
-`unsupported(model)` names what stops any other model, whose callers keep the HF forward.
+Qwen3 with its q/k norms, Mistral without a sliding window) with full attention and a static rotary embedding, and
+Qwen3.5 / 3.6 hybrids (Gated DeltaNet + gated full attention, dflash.core.static_hybrid's HybridDecoder, whose
+linear states a verify records and accept() rolls back); dflash.core.static's static_decoder(model) builds the one a
+model needs and its unsupported(model) names what stops any other model (experts, sliding windows), whose callers
+keep the HF forward.
 """
 
 from __future__ import annotations
@@ -45,15 +48,19 @@ import torch
 from .target import decoder_layers
 
 SUPPORTED_LAYERS = ("LlamaDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer", "MistralDecoderLayer")
+HYBRID_LAYERS = ("Qwen3_5DecoderLayer",)  # Gated DeltaNet + gated full attention: dflash.core.static_hybrid
 
 
 def unsupported(model) -> str | None:
-    """None when StaticDecoder can run `model`, else why not (in words)."""
+    """None when StaticDecoder can run `model`, else why not (in words). Callers ask dflash.core.static, which also
+    knows the hybrid decoder."""
     try:
         layers = decoder_layers(model)
     except Exception as e:  # noqa: BLE001 - any model without a layer list is simply not supported
         return str(e)
     kinds = {type(layer).__name__ for layer in layers}
+    if kinds <= set(HYBRID_LAYERS):
+        return "linear-attention layers (dflash.core.static_hybrid's HybridDecoder runs them)"
     if not kinds <= set(SUPPORTED_LAYERS):
         return f"decoder layers of type {sorted(kinds - set(SUPPORTED_LAYERS))[0]}"
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -375,6 +382,11 @@ class StaticDecoder:
         # (None: on a GPU; on a CPU compiling costs more than it saves, and the HF modules are the reference)
         fused = self.device.type == "cuda" if fused is None else fused
         self.fused = bool(fused) and fusable(self.layers, cfg) is None and _FUSED_FAILED is None
+        self._init_steps(graphs, max_q, varlen)
+
+    def _init_steps(self, graphs: bool, max_q: int, varlen: bool | str | None) -> None:
+        """The step machinery every static decoder shares: graphs on or off, the varlen kernel, the graph table and
+        the step's static inputs."""
         self.graphs_on = graphs and self.device.type == "cuda"
         # batched one-token steps read each row's own columns (_varlen_attend) with the kernel varlen_kernel picks
         # (None), none (False), or the one named (tests: "flash" with a CPU stand-in for _flash_varlen, "triton"
@@ -386,7 +398,8 @@ class StaticDecoder:
         if varlen not in (None, False) and self.varlen_kernel is None:
             raise ValueError(f"varlen={varlen!r}: one of {VARLEN_KERNELS}, None or False")
         self.varlen = self.varlen_kernel is not None
-        self._graphs: dict[tuple[int, int, int, bool, bool], tuple] = {}  # (n, q, span, all logits, varlen) -> graph
+        # (n, q, span, all logits, varlen, record) -> (graph, logits, hidden)
+        self._graphs: dict[tuple[int, int, int, bool, bool, bool], tuple] = {}
         self._pool = None
         self._ids = torch.zeros((self.slots, max_q), dtype=torch.long, device=self.device)  # step inputs (static)
         self._start = torch.zeros(self.slots, dtype=torch.long, device=self.device)
@@ -494,9 +507,10 @@ class StaticDecoder:
             return out(x, _varlen_attend(g, self.k[i], self.v[i], mask, span, a.scaling), *rest)
         return post(x, g, self.k[i], self.v[i], mask, a.scaling, *rest)
 
-    def _forward(self, ids, rows, start, span, keep, varlen: bool = False):
+    def _forward(self, ids, rows, start, span, keep, varlen: bool = False, record: bool = False):
         """(logits, hidden) for ids [n, q]; keep: the position per row whose logits to return ([n] tensor), or
-        None for all positions; varlen: a step that reads each row's own columns (step() decides)."""
+        None for all positions; varlen: a step that reads each row's own columns (step() decides); record: unused
+        (a dense target has no state to record)."""
         n, q = ids.shape
         pos = start[:, None] + torch.arange(q, device=ids.device)[None]
         cos, sin = self.cos[pos], self.sin[pos]
@@ -548,30 +562,45 @@ class StaticDecoder:
         """The columns a step whose last token sits at position end-1 attends over: end rounded up to a bucket."""
         return min(self.max_len, -(-end // self.bucket) * self.bucket)
 
+    # A dense target's state is its keys and values only: a step past a rejected draft simply writes over them, so
+    # there is nothing to record and nothing to accept (dflash.core.static_hybrid's decoder has recurrent states).
+    recurrent = False
+
+    def _records(self, q: int, record: bool | None) -> bool:
+        """Whether a step of q tokens keeps the state after each of them for accept()."""
+        return False
+
+    def accept(self, keep, n: int = 1) -> None:
+        """After a recorded step of rows 0..n-1: keep its first `keep` tokens per row (an int or a [n] tensor on the
+        device). A dense target's keys past them are never read: nothing to do."""
+
     @torch.inference_mode()
     def step(self, ids: torch.Tensor, start: torch.Tensor, end: int, all_logits: bool = True,
-             varlen: bool | None = None):
+             varlen: bool | None = None, record: bool | None = None):
         """Tokens ids [n, q] for slots 0..n-1 at positions start[r].. (start: [n] long tensor on the device);
         `end` bounds every row's start + q (it picks the bucket). varlen: whether a step that can read each row's own
         columns does (varlen_step; None: it does; False: the caller knows the rows' lengths are close to the span's,
-        where the spanned attention is faster). Returns (logits [n, q, V] or, with all_logits=False, [n, 1, V] of
+        where the spanned attention is faster). record: whether the step keeps the state after each of its tokens
+        so that accept() can take the rows back to any of them (None: a step of several tokens does; a target
+        without recurrent state ignores it). Returns (logits [n, q, V] or, with all_logits=False, [n, 1, V] of
         each row's last token, hidden [n, q, K*H] or None): static buffers on a GPU, valid until the next step."""
         n, q = ids.shape
         if end > self.max_len:
             raise ValueError(f"a step up to position {end} does not fit the decoder's {self.max_len} positions")
         span = self.span_for(end)
         varlen = self.varlen_step(n, q) and varlen is not False
+        record = self._records(q, record)
         self.shapes.add((n, q, span, all_logits))
         if not self.graphs_on:
             return self._forward_or_fall_back(ids, start, span, None if all_logits else start.new_full((n,), q - 1),
-                                              varlen)
+                                              varlen, record)
         if q > self._ids.shape[1]:
             raise ValueError(f"a step of {q} tokens per row is more than the decoder's max_q ({self._ids.shape[1]})")
         self._ids[:n, :q].copy_(ids)
         self._start[:n].copy_(start)
-        g = self._graphs.get((n, q, span, all_logits, varlen))
+        g = self._graphs.get((n, q, span, all_logits, varlen, record))
         if g is None:
-            g = self._capture(n, q, span, all_logits, varlen)
+            g = self._capture(n, q, span, all_logits, varlen, record)
         g[0].replay()
         return g[1], g[2]
 
@@ -592,39 +621,44 @@ class StaticDecoder:
                 count += 1
         return count
 
-    def _forward_or_fall_back(self, ids, start, span, keep, varlen: bool = False):
+    def _forward_or_fall_back(self, ids, start, span, keep, varlen: bool = False, record: bool = False):
         """_forward of a step, run where the fused layers may compile (never inside a capture). Should their compilation
         fail (a torch or compiler error, not ours), this process decodes with the HF modules' layers from then on,
         slower but the same arithmetic, and says so once: a decode that runs beats one that stops. The step's keys
         and values are written again, the same at the same columns."""
         try:
-            return self._forward(ids, None, start, span, keep, varlen)
+            return self._forward(ids, None, start, span, keep, varlen, record)
         except Exception as e:  # noqa: BLE001  (only the compiler's own errors are caught: below)
             if not self.fused or not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
                 raise
             _fused_failed(e)
             self.fused = False
-            return self._forward(ids, None, start, span, keep, varlen)
+            return self._forward(ids, None, start, span, keep, varlen, record)
 
-    def _capture(self, n: int, q: int, span: int, all_logits: bool, varlen: bool):
-        """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers: the
-        warm-up run writes the keys and values this very step writes (the same values at the same places), so no
-        slot's cache needs saving around it."""
+    def _warm_up(self, ids, start, span, keep, varlen: bool, record: bool) -> None:
+        """The eager run before a capture (on a side stream): it compiles what the step compiles and writes the keys
+        and values this very step writes (the same values at the same places), so no slot's cache needs saving
+        around it."""
+        self._forward_or_fall_back(ids, start, span, keep, varlen, record)
+
+    def _capture(self, n: int, q: int, span: int, all_logits: bool, varlen: bool, record: bool = False):
+        """Capture the step of shape (n, q, span) with the step's own inputs already in the static buffers, after
+        one eager run of it (_warm_up)."""
         ids, start = self._ids[:n, :q], self._start[:n]
         keep = None if all_logits else torch.full((n,), q - 1, dtype=torch.long, device=self.device)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self._forward_or_fall_back(ids, start, span, keep, varlen)
+            self._warm_up(ids, start, span, keep, varlen, record)
         torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            logits, hidden = self._forward(ids, None, start, span, keep, varlen)
+            logits, hidden = self._forward(ids, None, start, span, keep, varlen, record)
         self.captures += 1
         entry = (graph, logits, hidden)
-        self._graphs[(n, q, span, all_logits, varlen)] = entry
+        self._graphs[(n, q, span, all_logits, varlen, record)] = entry
         return entry
 
     @torch.inference_mode()

@@ -1,7 +1,7 @@
-"""The eager batch decoder for targets with linear-attention or sliding-window layers (Qwen3.5 / 3.6, Qwen3.5-MoE,
-gpt-oss): extract/generation/generate.py's Engine (its queue, refills, compactions, continuations, sampling and statistics)
-over transformers' own cache laid out per layer kind (dflash.core.decode_state decoding_cache) and transformers'
-own masks.
+"""The eager batch decoder for targets with linear-attention or sliding-window layers (Qwen3.5-MoE, gpt-oss, and
+Qwen3.5 / 3.6 off a GPU or beside the slot engine for a request too long for its slots): extract/generation/generate.py's
+Engine (its queue, refills, compactions, continuations, sampling and statistics) over transformers' own cache laid
+out per layer kind (dflash.core.decode_state decoding_cache) and transformers' own masks.
 
 What differs from Engine (whose SlabCache and 4D boolean mask assume every layer is full attention):
   * the forward gets a 2D real-token mask [B, columns] (left padding) and builds each layer kind's mask itself: the
@@ -12,8 +12,8 @@ What differs from Engine (whose SlabCache and 4D boolean mask assume every layer
     the left, linear layers' conv and recurrent states per row); a compaction keeps rows with
     decode_state.select_rows and cuts the leading columns that are padding for every kept row, as Engine does.
 
-No CUDA graphs: extract/generation/slot_engine.py's static KV cache has no per-slot recurrent state or window yet. Greedy rows
-decode the target's own greedy text (tests/test_hybrid_decoding.py), whatever the batch they ran in.
+No CUDA graphs (a Qwen3.5 / 3.6 hybrid takes extract/generation/slot_engine.py's on a GPU: dflash.core.static_hybrid's
+per-slot recurrent states and windows). Greedy rows decode the target's own greedy text (tests/test_hybrid_decoding.py), whatever the batch they ran in.
 """
 
 from __future__ import annotations

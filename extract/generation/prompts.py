@@ -118,10 +118,10 @@ class Sampler:
 
         batch, max_tokens, prefill = self.engine
         if self.graphs and self.decoder is None:  # one static decoder (and its CUDA graphs) for every part
-            from dflash.core.static_decode import StaticDecoder
+            from dflash.core.static import static_decoder
 
-            self.decoder = StaticDecoder(self.model, slots=batch, max_len=len(self.ids) + settings["max_new_tokens"],
-                                         max_q=1)
+            self.decoder = static_decoder(self.model, slots=batch, max_len=len(self.ids) + settings["max_new_tokens"],
+                                          max_q=1)
         with torch.inference_mode():
             res = generate(self.model, [self.ids] * (last - first), eos_ids=self.eos, decoder=self.decoder,
                            engine="static" if self.graphs else "eager",

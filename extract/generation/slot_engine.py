@@ -33,7 +33,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash.core.static_decode import StaticDecoder, unsupported
+from dflash.core.decode_state import needs_kind_cache
+from dflash.core.static import static_decoder, unsupported
+from dflash.core.static_decode import StaticDecoder
 from dflash.core.target import decode_sdpa, text_config
 
 from dflash.extract.generation.engine import Continuation, Engine, Request, Result, _Row, continue_row, end_of_turn
@@ -69,15 +71,21 @@ class SlotPlan:
 def plan_slots(cfg_hf, dtype, batch_size: int, max_batch_tokens: int, bucket: int = 256) -> SlotPlan | None:
     """Slots and positions per slot that fit a KV budget of max_batch_tokens (the eager engine's budget, which
     plans for a 2.5x peak; a static cache has none): 90% to the slots, 10% to the overflow engine. None when a
-    slot would hold fewer than two buckets."""
+    slot would hold fewer than two buckets. A hybrid target's slot also holds its linear layers' states, of fixed size
+    whatever its length: they take the budget of that many tokens first (dflash.core.static_hybrid)."""
+    from dflash.core.static_hybrid import linear_state_bytes
+    from dflash.extract.generation.slab import kv_bytes_per_token
+
     budget = max_batch_tokens * 5 // 2
     c = text_config(cfg_hf)
     ctx = int(getattr(c, "max_position_embeddings", 0) or 1 << 20)
+    state = linear_state_bytes(c, dtype or torch.bfloat16)
+    state = -(-state // kv_bytes_per_token(c, dtype or torch.bfloat16)) if state else 0  # in tokens of the budget
     slots = int(batch_size)
-    max_len = min(ctx, int(budget * 0.9) // slots) // bucket * bucket
+    max_len = min(ctx, int(budget * 0.9) // slots - state) // bucket * bucket
     while max_len < 2 * bucket and slots > MIN_BATCH:
         slots //= 2
-        max_len = min(ctx, int(budget * 0.9) // slots) // bucket * bucket
+        max_len = min(ctx, int(budget * 0.9) // slots - state) // bucket * bucket
     if max_len < 2 * bucket:
         return None
     return SlotPlan(slots, max_len, max(4096, budget // 10 * 2 // 5))
@@ -103,7 +111,7 @@ class SlotEngine:
         self.limit = -(-int(max_len) // bucket) * bucket  # positions a slot may grow to
         if decoder is None or decoder.slots < slots:
             first = self.limit if start_len is None else min(self.limit, max(2 * bucket, int(start_len)))
-            decoder = StaticDecoder(model, slots=slots, max_len=first, graphs=graphs, max_q=1, bucket=bucket)
+            decoder = static_decoder(model, slots=slots, max_len=first, graphs=graphs, max_q=1, bucket=bucket)
         self.dec = decoder  # a caller's decoder is reused (its graphs too): sampling in parts captures once
         self.eos = frozenset(int(i) for i in eos_ids)
         self.batch_size = int(slots)
@@ -125,9 +133,14 @@ class SlotEngine:
         self._forcing: set[int] = set()  # slots whose row may still have continuation ids to feed
         self.last = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         self._start = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
-        self.overflow = Engine(model, eos_ids=self.eos, batch_size=MIN_BATCH, max_batch_tokens=overflow_tokens,
-                               prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
-                               follow=follow)
+        # the eager engine of the target's kind (a hybrid's: transformers' cache per layer kind)
+        if needs_kind_cache(model):
+            from dflash.extract.generation.kind_engine import KindEngine as eager
+        else:
+            eager = Engine
+        self.overflow = eager(model, eos_ids=self.eos, batch_size=MIN_BATCH, max_batch_tokens=overflow_tokens,
+                              prefill_tokens=prefill_tokens, temperature=temperature, top_p=top_p, pad_id=pad_id,
+                              follow=follow)
         self.steps = self.prefills = self.generated = self.prompt_tokens = 0
         # the slots' own counts; the properties add the overflow engine's (decode_real_columns always did, so a
         # run with overflowed requests read "100%+ of the columns real")

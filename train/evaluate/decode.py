@@ -13,7 +13,7 @@ length on the host).
 The target side (KV cache, captured layers, decode attention) is train/evaluate/verify.py; the DFlash proposer is
 train/evaluate/drafting.py. target.crop() after a partly accepted verify takes every layer back to the accepted prefix: keys
 and values, and on hybrid targets the Gated DeltaNet's recurrent and conv states, captured at each verified token
-(dflash/core/decode_state.py).
+(dflash/core/decode_state.py; dflash/core/static_hybrid.py's accept for the static target).
 """
 
 from __future__ import annotations

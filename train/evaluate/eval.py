@@ -6,7 +6,7 @@ For every prompt, three decodes of the same target with KV caches:
     after the last confirmed token in ONE forward, the target verifies the block in ONE forward,
     the longest matching prefix plus the target's own next token (the bonus) is accepted, both
     caches are cropped to the accepted length (on a hybrid target the linear-attention layers' recurrent and
-    conv states too: dflash/core/decode_state.py);
+    conv states too: dflash/core/static_hybrid.py's accept in CUDA graphs, dflash/core/decode_state.py eagerly);
   * n-gram prompt lookup (no training): the B-1 tokens that followed the latest earlier occurrence
     of the sequence's last n-gram, verified the same way - what users get for free.
 tau = mean over steps of (accepted + 1). Greedy speculative decoding is lossless, so each output
@@ -311,7 +311,7 @@ def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, d
 def static_target(cfg: EvalConfig, model, layer_ids: list[int], max_len: int, block_size: int):
     """StaticTarget (the target's steps in CUDA graphs) when cfg.target_graph allows it and the device and the
     model can; None for the HF forward. --target-graph on where it cannot is an error naming why."""
-    from dflash.core.static_decode import unsupported
+    from dflash.core.static import unsupported
 
     cuda = next(model.parameters()).device.type == "cuda"
     why = None if cuda else "not on a CUDA device"

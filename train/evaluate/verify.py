@@ -162,16 +162,21 @@ class StaticTarget:
     and values lie past the confirmed length, are never attended to, and the next step writes over them.
 
     max_len bounds prompt + generated + one block; block_size: the verify length drafts are padded to (n-gram
-    lookup drafts fewer than B-1 tokens at times; a padded block costs a memory-bound target the same)."""
+    lookup drafts fewer than B-1 tokens at times; a padded block costs a memory-bound target the same).
+
+    A hybrid target (dflash.core.static_hybrid) has linear-attention states that a verify has already advanced past
+    a rejected draft: its verify records the state after each token, and crop() takes the state after the last
+    accepted one (HybridDecoder.accept, device ops only)."""
 
     def __init__(self, model, layer_ids: list[int] | None, max_len: int, block_size: int, graphs: bool = True):
-        from dflash.core.static_decode import StaticDecoder
+        from dflash.core.static import static_decoder
 
         self.model = model
         self.device = next(model.parameters()).device
         self.block_size = int(block_size)
-        self.dec = StaticDecoder(model, slots=1, max_len=max_len + self.block_size, layer_ids=layer_ids,
-                                 graphs=graphs, max_q=max(1, self.block_size))
+        self.dec = static_decoder(model, slots=1, max_len=max_len + self.block_size, layer_ids=layer_ids,
+                                  graphs=graphs, max_q=max(1, self.block_size))
+        self._verified: tuple[int, int] | None = None  # (start, q) of the last recorded verify, until crop()
         self.attention = "static-graph" if self.dec.graphs_on else "static"
         self.capture = bool(layer_ids)
         self._start = torch.zeros(1, dtype=torch.long, device=self.device)
@@ -179,7 +184,7 @@ class StaticTarget:
         self.cache = None
 
     def reset(self):
-        pass
+        self._verified = None  # a new prompt's prefill sets every state; nothing of the last decode is accepted
 
     def prepare(self) -> int:
         """Capture now every step this target can take (the 1-token step and the block's verify at every span
@@ -188,7 +193,13 @@ class StaticTarget:
         return self.dec.prepare(1, sorted({1, self.block_size}))
 
     def crop(self, length: int) -> None:
-        pass  # positions past the confirmed length are never attended to
+        """Positions past the confirmed length are never attended to; a hybrid target's linear states go back to
+        the last kept token of the verify."""
+        if self._verified is not None:
+            start, q = self._verified
+            self._verified = None
+            if length - start < q:
+                self.dec.accept(length - start)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, start: int, hidden: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -203,7 +214,8 @@ class StaticTarget:
             if L < q:
                 ids = torch.cat([ids, ids[:, -1:].expand(1, q - L)], 1)
             self._start.fill_(start)
-            logits, h = self.dec.step(ids, self._start, start + q)
+            logits, h = self.dec.step(ids, self._start, start + q)  # a verify (q > 1) records: crop() accepts
+            self._verified = (start, q) if self.dec.recurrent and q > 1 else None
             logits = logits[:, :L]
             h = None if h is None else h[:, :L].clone()  # the next replay overwrites the static output
         return logits, (h if hidden else None)

@@ -1,0 +1,33 @@
+"""Which static decoder a target takes (the decode step replayable as CUDA graphs): dflash.core.static_decode's
+StaticDecoder for full-attention targets (Llama, Qwen2/3, Mistral), dflash.core.static_hybrid's HybridDecoder for
+Qwen3.5 / 3.6 hybrids (Gated DeltaNet + gated full attention). Both have one interface (prefill, step with record,
+accept, prepare, move, grow); callers (the slot engine of regenerate and prompts, eval's StaticTarget) ask here.
+
+    why = unsupported(model)                    # None, or why neither runs it (the caller keeps the HF forward)
+    dec = static_decoder(model, slots=.., max_len=.., ...)
+"""
+
+from __future__ import annotations
+
+from .static_decode import HYBRID_LAYERS, StaticDecoder
+from .static_decode import unsupported as dense_unsupported
+from .static_hybrid import HybridDecoder, hybrid_unsupported
+from .target import decoder_layers
+
+
+def _hybrid(model) -> bool:
+    try:
+        return {type(layer).__name__ for layer in decoder_layers(model)} <= set(HYBRID_LAYERS)
+    except Exception:  # noqa: BLE001  (no layer list: dense_unsupported names it)
+        return False
+
+
+def unsupported(model) -> str | None:
+    """None when a static decoder can run `model`, else why not (in words)."""
+    return hybrid_unsupported(model) if _hybrid(model) else dense_unsupported(model)
+
+
+def static_decoder(model, **kwargs) -> StaticDecoder:
+    """The static decoder of `model` (StaticDecoder's arguments): HybridDecoder for a Qwen3.5 / 3.6 hybrid, else
+    StaticDecoder; a ValueError naming what stops it otherwise."""
+    return (HybridDecoder if _hybrid(model) else StaticDecoder)(model, **kwargs)
