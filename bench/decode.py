@@ -1,6 +1,7 @@
 """The target's decode steps against their physical bound: eager (the HF forward with a DynamicCache, what dflash
 ran before CUDA graphs) and graph-captured (dflash/core/static_decode.py, what regenerate, prompts and eval run on a
-GPU), at the GPU recipe's target shape (SmolLM2-135M, Llama) and the Qwen3-8B shape, random weights.
+GPU), at the GPU recipe's target shape (SmolLM2-135M, Llama), the coder recipe's (Qwen2.5-Coder-0.5B, Qwen2: `coder`)
+and the Qwen3-8B shape, random weights.
 
 Feeds BENCHMARKS.md, "Decoding at serving speed".
 
@@ -36,14 +37,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
+from bench.common import CODER_0_5B, QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
 from dflash.core.static_decode import StaticDecoder  # noqa: E402
 from dflash.core.target import decode_sdpa  # noqa: E402
 from dflash.extract.generation.slab import kv_bytes_per_token  # noqa: E402
 
 
 def model_of(shape: str, device, dtype):
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3ForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3ForCausalLM
 
     torch.manual_seed(0)
     if shape == "recipe":
@@ -51,6 +52,11 @@ def model_of(shape: str, device, dtype):
         theta = kw.pop("rope_theta")
         cfg = LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         cls = LlamaForCausalLM
+    elif shape == "coder":
+        kw = dict(CODER_0_5B)
+        theta = kw.pop("rope_theta")
+        cfg = Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
+        cls = Qwen2ForCausalLM
     else:
         cfg, cls = qwen3_config(QWEN3_8B), Qwen3ForCausalLM
     cfg._attn_implementation = "sdpa"
@@ -183,16 +189,20 @@ def run(shape: str, args, dev) -> list[dict]:
         add(f"prefill {k}x{w}", "eager", timed(prefill_step(m, k, w), args.iters), k * w, k * w, flops)
         torch.cuda.empty_cache()
     for b in args.batches:
-        if shape != "recipe" and b > 256:
+        if shape == "qwen3-8b" and b > 256:
             continue  # 8B shape: 256 x 512 tokens of KV is already 19 GB
+        # a batched step's bound is also its matmuls' FLOPs (2 x the weights x rows) over the peak: at 1,024 rows of
+        # the coder shape that is ~1 ms, more than its bytes
+        flops = 2 * wb / m.dtype.itemsize * b
         for mode, fused, kernel in graphs:
-            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused, varlen=kernel), args.iters), b, b * c)
+            add(f"decode b{b}", mode, timed(graph_step(m, b, c, 1, fused, varlen=kernel), args.iters), b, b * c,
+                flops)
             torch.cuda.empty_cache()
         if args.mixed:  # rows of unequal lengths: the spanned step attends over the longest row's columns
             lengths = mixed_lengths(args.mixed, b)
             for mode, fused, kernel in graphs:
                 fn = graph_step(m, b, c, 1, fused, lengths, varlen=kernel)
-                add(f"decode b{b} mixed {args.mixed}", mode, timed(fn, args.iters), b, sum(lengths))
+                add(f"decode b{b} mixed {args.mixed}", mode, timed(fn, args.iters), b, sum(lengths), flops)
                 del fn  # its decoder's cache (8B shape, 256 rows of up to 2,048: ~76 GB) before the next one's
                 torch.cuda.empty_cache()
     del m

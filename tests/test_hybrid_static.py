@@ -242,3 +242,16 @@ def test_experts_and_sliding_windows_stay_on_the_eager_path(work):
             static_decoder(m, slots=1, max_len=32)
     with pytest.raises(ValueError, match="HybridDecoder"):
         StaticDecoder(load_causal_lm(make_tiny_family(work / "text", "qwen3_5", num_layers=4)), slots=1, max_len=32)
+
+
+def test_the_hybrid_graphs_are_taken_only_when_asked_for_until_checked_on_a_gpu(targets, work):
+    """A static decoder whose CUDA graphs have not run on a GPU (UNCHECKED) is not the default: --target-graph left
+    unset keeps the eager path, and the line that says so names the flag; a dense target's decoder is the default."""
+    from dflash.core.static import not_by_default
+    from tests.tiny import make_tiny_target
+
+    for family in ("qwen3_5", "qwen3_5_vl"):
+        m = models(targets, family)[0]
+        assert unsupported(m) is None and "--target-graph turns it on" in not_by_default(m)
+    dense = load_causal_lm(make_tiny_target(work / "dense", num_layers=2), dtype=torch.float32)
+    assert unsupported(dense) is None and not_by_default(dense) is None

@@ -100,14 +100,18 @@ class Sampler:
         from dflash.core.target import TargetError
         from dflash.extract.generation.slot_engine import slot_engine_unsupported
 
-        why = slot_engine_unsupported(self.model)
+        why = slot_engine_unsupported(self.model, asked=bool(target_graph))
         if target_graph and why is not None:
             raise TargetError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
         self.graphs = why is None if target_graph is None else bool(target_graph)  # False: the eager engine
         from dflash.core.decode_state import eager_reason
 
         if not self.graphs and eager_reason(self.model):  # transformers' cache per layer kind (extract/generation/kind_engine.py)
-            print(f"prompts: {eager_reason(self.model)}: the eager decoder (no CUDA graphs)", flush=True)
+            from dflash.core.static import not_by_default
+
+            off = not_by_default(self.model) if why == not_by_default(self.model) else None
+            print(f"prompts: {eager_reason(self.model)}: the eager decoder (no CUDA graphs{': ' + off if off else ''})",
+                  flush=True)
         self.decoder = None
 
     def rows(self, first: int, last: int, settings: dict[str, Any], on_row=None) -> list[dict[str, Any]]:
