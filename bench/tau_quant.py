@@ -1,15 +1,20 @@
-"""tau from fp8 / fp4 caches against bf16: does the drafter notice the cache's precision?
+"""tau from fp8 / fp4 caches against bf16, and from caches on their own basis against fp8: does the drafter notice
+the cache's precision, or the directions a basis drops?
 
-Feeds BENCHMARKS.md, "Cache size" (tau from an fp8 cache against bf16's spread over seeds).
+Feeds BENCHMARKS.md, "Cache size" (tau from an fp8 cache against bf16's spread over seeds; tau from caches on a
+basis of rank R, `extract --basis-rank R`, against fp8's spread).
 
 The demo's recipe (SmolLM2-135M-Instruct + chitchat, regenerated replies by default), extracted once per
 hidden dtype (bf16, fp8, fp4) from the same data; drafters trained with the same recipe: from the bf16 cache
 with several seeds (their spread is the noise), from each quantised cache with the first of those seeds (the
-same batches and anchors as that bf16 run). Every final drafter is measured by real speculative decoding on
+same batches and anchors as that bf16 run); with --basis-ranks, one cache per rank R in the last of --hidden-dtypes
+(fp8 by default: z = P x stored in fp8) trained with that first seed too. The spread is the first dtype's: bf16 by
+default, fp8 with --hidden-dtypes fp8. Every final drafter is measured by real speculative decoding on
 the same held-out prompts (train.eval: tau, n-gram tau, outputs identical to the target's greedy output).
 
     python bench/tau_quant.py --workdir work/tau-quant                           # the demo's sizes
     python bench/tau_quant.py --workdir work/tau-quant --data work/demo/regenerated   # reuse regenerated data
+    python bench/tau_quant.py --workdir work/tau-basis --hidden-dtypes fp8 --basis-ranks 288,576,1152  # bases vs fp8
     python bench/tau_quant.py --workdir /tmp/tq --responses original --train-prompts 16 --eval-prompts 2 \\
         --steps 3 --eval-max-new-tokens 8 --seq-len 256 --seeds 0,1 --device cpu       # CPU smoke test, ~3 min
 
@@ -35,7 +40,10 @@ def main(argv=None):
     ap.add_argument("--responses", choices=["regenerate", "original"], default="regenerate")
     ap.add_argument("--data", help="an existing training dataset (e.g. a regenerated directory): skips regenerating")
     ap.add_argument("--hidden-dtypes", default="bf16,fp8,fp4")
-    ap.add_argument("--seeds", default="0,1,2", help="bf16 seeds; the quantised caches train with the first")
+    ap.add_argument("--seeds", default="0,1,2", help="seeds of the first hidden dtype (the spread); the other caches "
+                    "train with the first")
+    ap.add_argument("--basis-ranks", default="", help="also caches on their own basis of these ranks (comma list), in "
+                    "the last of --hidden-dtypes")
     ap.add_argument("--train-prompts", type=int, default=240)
     ap.add_argument("--eval-prompts", type=int, default=16)
     ap.add_argument("--regen-max-new-tokens", type=int, default=64)
@@ -51,6 +59,7 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here (default: WORKDIR/tau-quant.json only)")
     a = ap.parse_args(argv)
 
+    from dflash_cache.inspect import info as cache_info
     from dflash.recipes.assets import smollm2_gguf
     from dflash.recipes.cpu import _regenerate, prepare_data
     from dflash.recipes.demo import DemoConfig
@@ -70,14 +79,19 @@ def main(argv=None):
     seeds = [int(s) for s in a.seeds.split(",")]
     path = os.path.join(a.workdir, "tau-quant.json")
     done = json.load(open(path)) if os.path.exists(path) else {}
-    caches = {}
-    for hdt in dtypes:
-        caches[hdt] = os.path.join(a.workdir, f"cache-{hdt}")
+    caches, stored = {}, {}
+    ranks = [int(r) for r in a.basis_ranks.split(",") if r.strip()]
+    kinds = dtypes + [f"basis{r}" for r in ranks]  # a kind: a stored dtype, or basisR (the last dtype on rank R)
+    for kind in kinds:
+        hdt, rank = (dtypes[-1], int(kind[5:])) if kind.startswith("basis") else (kind, 0)
+        caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
         t = time.perf_counter()
-        run_extract(ExtractConfig(target=target, data=data, out=caches[hdt], seq_len=a.seq_len, device=a.device,
-                                  hidden_dtype=hdt, progress=False))
-        print(f"tau-quant: cache {hdt} ready ({time.perf_counter() - t:.0f} s)", flush=True)
-    runs = [("bf16", s) for s in seeds if "bf16" in dtypes] + [(d, seeds[0]) for d in dtypes if d != "bf16"]
+        run_extract(ExtractConfig(target=target, data=data, out=caches[kind], seq_len=a.seq_len, device=a.device,
+                                  hidden_dtype=hdt, basis_rank=rank, progress=False))
+        stored[kind] = cache_info(caches[kind])["bytes_per_real_token"]
+        print(f"tau-quant: cache {kind} ready ({time.perf_counter() - t:.0f} s)", flush=True)
+    base_kind = kinds[0]
+    runs = [(base_kind, s) for s in seeds] + [(k, seeds[0]) for k in kinds[1:]]
     for hdt, seed in runs:
         key = f"{hdt}-seed{seed}"
         if key in done:
@@ -92,7 +106,7 @@ def main(argv=None):
         ev = run_eval(EvalConfig(target=target, drafter=os.path.join(out, "final"), data=held,
                                  max_new_tokens=a.eval_max_new_tokens, device=a.device, progress=False))
         hist = tr.get("history") or [{}]
-        done[key] = {"hidden_dtype": hdt, "seed": seed, "tau": ev["dflash"]["tau"], "tau_ngram": ev["ngram"]["tau"],
+        done[key] = {"hidden_dtype": hdt, "seed": seed, "bytes_per_real_token": stored.get(hdt), "tau": ev["dflash"]["tau"], "tau_ngram": ev["ngram"]["tau"],
                      "identical": ev["dflash"]["outputs_identical"], "prompts": ev["prompts"],
                      "final_loss": hist[-1].get("loss"), "train_s": train_s,
                      "data_wait_frac": tr.get("data_wait_frac"), "steps": tr.get("steps")}
@@ -100,25 +114,26 @@ def main(argv=None):
             json.dump(done, f, indent=2)
         print("tau-quant:", json.dumps({"run": key, **done[key]}), flush=True)
 
-    bf = [done[f"bf16-seed{s}"]["tau"] for s in seeds if f"bf16-seed{s}" in done]
+    bf = [done[f"{base_kind}-seed{s}"]["tau"] for s in seeds if f"{base_kind}-seed{s}" in done]
     lo, hi = (min(bf), max(bf)) if bf else (None, None)
-    base = done.get(f"bf16-seed{seeds[0]}")
+    base = done.get(f"{base_kind}-seed{seeds[0]}")
     rows = []
-    for key in sorted(done, key=lambda k: (dtypes.index(done[k]["hidden_dtype"]) if done[k]["hidden_dtype"] in dtypes
+    for key in sorted(done, key=lambda k: (kinds.index(done[k]["hidden_dtype"]) if done[k]["hidden_dtype"] in kinds
                                            else 99, done[k]["seed"])):
         r = done[key]
         row = {"run": key, "tau": r["tau"], "tau_ngram": r["tau_ngram"], "identical": f"{r['identical']}/{r['prompts']}",
-               "final_loss": r["final_loss"]}
-        if r["hidden_dtype"] != "bf16" and base is not None:
-            row["tau - bf16 same seed"] = r["tau"] - base["tau"]
-            row["within bf16 spread"] = lo <= r["tau"] <= hi if len(bf) > 1 else None
+               "final_loss": r["final_loss"], "bytes/token": r.get("bytes_per_real_token")}
+        if r["hidden_dtype"] != base_kind and base is not None:
+            row[f"tau - {base_kind} same seed"] = r["tau"] - base["tau"]
+            row[f"within {base_kind} spread"] = lo <= r["tau"] <= hi if len(bf) > 1 else None
         rows.append(row)
     from bench.common import table
 
-    print(f"\nbf16 over seeds {seeds}: tau mean {sum(bf) / len(bf):.3f}, spread {lo:.3f}..{hi:.3f} ({hi - lo:.3f})"
-          if bf else "\nno bf16 runs")
-    print(table(rows, ["run", "tau", "tau - bf16 same seed", "within bf16 spread", "tau_ngram", "identical", "final_loss"]))
-    summary = {"args": vars(a), "bf16_tau": bf, "bf16_spread": [lo, hi], "runs": done}
+    print(f"\n{base_kind} over seeds {seeds}: tau mean {sum(bf) / len(bf):.3f}, spread {lo:.3f}..{hi:.3f} "
+          f"({hi - lo:.3f})" if bf else f"\nno {base_kind} runs")
+    print(table(rows, ["run", "tau", f"tau - {base_kind} same seed", f"within {base_kind} spread", "tau_ngram",
+                       "identical", "final_loss", "bytes/token"]))
+    summary = {"args": vars(a), "base": base_kind, "base_tau": bf, "base_spread": [lo, hi], "runs": done}
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2)
