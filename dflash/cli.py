@@ -230,9 +230,14 @@ def extract(preset, gpus, json_out, no_progress, **flags):
         flags["progress"] = False
     flags["layers"] = parse_int_list(flags["layers"], "layers")
     flags["chat_template_kwargs"] = parse_kv(flags["chat_template_kwargs"], "chat_template_kwargs") or None
-    cfg = in_path_forms(build(ExtractConfig, preset, "extract", flags), {"out": "write"})  # before --gpus: fails once
-    json_out = path_form(json_out, "json")
+    cfg = in_path_forms(build(ExtractConfig, preset, "extract", flags), {"out": "write", "basis_from": "read"})
+    json_out = path_form(json_out, "json")  # (all before --gpus: fails once)
     check_paths(json=json_out, chat_template=cfg.chat_template, out=cfg.out, data=cfg.data, target=cfg.target)
+    if cfg.basis_from:  # a cache with a basis, of the rank asked: before the target loads or the data tokenises
+        from dflash.extract.basis_fit import basis_source
+
+        check_cache_path(cfg.basis_from, "basis_from")
+        basis_source(cfg)
     check_tokenize_cache(cfg.tokenize_cache)
     check_target(cfg.target)
     relaunch_with_gpus(gpus, "extract")

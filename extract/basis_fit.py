@@ -65,7 +65,9 @@ def resolve_on_rank(out: str) -> tuple[np.ndarray | None, dict[str, Any]]:
     return c.basis(), dict(c.spec.basis)
 
 
-def _from_cache(cfg, *, width, hidden_size, layer_ids, config_hash) -> tuple[np.ndarray, dict[str, Any]]:
+def basis_source(cfg):
+    """The --basis-from cache, open, after what can be told without the target: it is a cache, it has a basis, of the
+    --basis-rank asked if one is (a TargetError naming the flag otherwise). `extract` asks before any work."""
     try:
         src = dflash_cache.open(cfg.basis_from, allow_incomplete=True)
     except dflash_cache.CacheError as e:
@@ -73,6 +75,15 @@ def _from_cache(cfg, *, width, hidden_size, layer_ids, config_hash) -> tuple[np.
     if not src.spec.basis:
         raise TargetError(f"--basis-from {cfg.basis_from}: that cache stores its features as they are (no 'basis' "
                           "in its root metadata): give a cache extracted with --basis-rank")
+    rank = dict(src.spec.basis)["rank"]
+    if cfg.basis_rank and cfg.basis_rank != rank:
+        raise TargetError(f"--basis-rank {cfg.basis_rank}: --basis-from {cfg.basis_from} has a basis of rank "
+                          f"{rank} (leave --basis-rank out, or give that rank)")
+    return src
+
+
+def _from_cache(cfg, *, width, hidden_size, layer_ids, config_hash) -> tuple[np.ndarray, dict[str, Any]]:
+    src = basis_source(cfg)
     rec = dict(src.spec.basis)
     theirs = ((src.metadata.get("info") or {}).get("target") or {}).get("config_hash")
     for name, a, b in (("hidden_size", src.hidden_size, hidden_size), ("layer_ids", src.context_layer_ids, layer_ids),
@@ -80,9 +91,6 @@ def _from_cache(cfg, *, width, hidden_size, layer_ids, config_hash) -> tuple[np.
         if a != b:
             raise TargetError(f"--basis-from {cfg.basis_from}: field '{name}' is {a!r} there but {b!r} in this "
                               "extraction: a basis is shared only between caches of one target and one set of layers")
-    if cfg.basis_rank and cfg.basis_rank != rec["rank"]:
-        raise TargetError(f"--basis-rank {cfg.basis_rank}: --basis-from {cfg.basis_from} has a basis of rank "
-                          f"{rec['rank']} (leave --basis-rank out, or give that rank)")
     return src.basis(), rec
 
 

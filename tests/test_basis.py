@@ -177,9 +177,33 @@ def test_another_basis_is_refused_naming_the_field(work, targets, data_path, bas
                           "--basis-from", other_cache))
     line = error_line(r.stderr)
     assert r.exit_code == 2 and "'basis.digest'" in line and "--basis-from" in line, r.output
-    # --basis-from a cache without a basis
+    # --basis-from a cache without a basis, or with a basis of another rank than --basis-rank: refused before the
+    # target loads or the data tokenises, and nothing is written
     r = cli(*extract_args(targets["qwen3"], data_path, work / "nope", "--basis-from", plain_cache))
     assert r.exit_code == 2 and "--basis-from" in error_line(r.stderr) and "--basis-rank" in error_line(r.stderr)
+    assert "tokenised" not in r.output and not (work / "nope").exists()
+    r = cli(*extract_args(targets["qwen3"], data_path, work / "nope", "--basis-from", held_cache, "--basis-rank",
+                          RANK + 1))
+    assert r.exit_code == 2 and f"has a basis of rank {RANK}" in error_line(r.stderr) and not (work / "nope").exists()
+
+
+@pytest.mark.parametrize("given, says", [
+    ("missing", "--basis-from {} : no such directory"),
+    ("a-file", "--basis-from {} is a file, not a directory"),
+    ("not-a-cache", "--basis-from {} is not a dflash cache"),
+    ("https://example.com/cache", "--basis-from {}: https:// URLs cannot be opened here"),
+    ("ftp2://example.com/cache", "--basis-from {}: unknown URL protocol ftp2://"),
+])
+def test_basis_from_that_is_no_cache_is_one_line_naming_the_flag(work, targets, data_path, cli, given, says):  # noqa: F811
+    where = given if "://" in given else str(work / f"bf-{given}")
+    if given == "a-file":
+        open(where, "w").close()
+    if given == "not-a-cache":
+        os.makedirs(where, exist_ok=True)
+    r = cli(*extract_args(targets["qwen3"], data_path, work / "bf-out", "--basis-from", where))
+    line = error_line(r.stderr)
+    assert r.exit_code == 2 and line.startswith("error: " + says.format(where).replace(" : ", ": ")), r.output
+    assert "Traceback" not in r.stderr and not (work / "bf-out").exists()
 
 
 # ------------------------------------------------------------------------------------------------ train

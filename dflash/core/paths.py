@@ -6,7 +6,7 @@ parent directory that does not exist, must fail in the first second, not at the 
 
 The forms a path flag takes (path_form, applied by every command to every path flag before anything else): a plain
 path; a `file://` URL, which is the local path it names (`file:///abs/run` is /abs/run, for every flag); and, only
-for the flags of a cache (extract --out, train --cache and --val-cache, pipeline --cache, `cache info` and `cache
+for the flags of a cache (extract --out and --basis-from, train --cache and --val-cache, pipeline --cache, `cache info` and `cache
 verify` PATH: each command names them to path_forms), another fsspec URL whose protocol fsspec knows and can open
 here. A cache written to a
 store that lives only in this process's memory (EPHEMERAL: `memory://`) is refused: it would be gone when the
@@ -80,7 +80,7 @@ def path_form(path: str | None, name: str, url: str | None = None) -> str | None
 
 # the path fields of the commands' configs; what each command's cache fields take (path_form's `url`)
 PATH_FIELDS = ("target", "data", "out", "cache", "val_cache", "drafter", "chat_template", "tokenize_cache",
-               "compile_cache", "json_out", "plot", "workdir")
+               "compile_cache", "json_out", "plot", "workdir", "basis_from")
 FLAG_OF = {"json_out": "json"}  # fields whose flag has another name
 SETTING_WORDS = ("off",)  # a path field's words that are not paths (--tokenize-cache off, --compile-cache off)
 
