@@ -335,3 +335,27 @@ def test_the_summary_checks_the_humaneval_bar():
     assert bars(report)["humaneval_ok"] is False
     del report["sets"]["humaneval"]
     assert "humaneval_tau" not in bars(report)
+
+
+def test_a_second_join_into_the_same_folder_is_refused_naming_the_first(tiny, tmp_path, capsys):
+    """One writer per --out: a second `make coder-assets` into a folder another one holds is one error line naming
+    the holder, and writes nothing; --out that is a file is refused likewise."""
+    from dflash_cache.lock import OutputLock
+
+    parts = tmp_path / "received"
+    parts.mkdir()
+    for i, chunk in enumerate(tiny["chunks"], 1):
+        (parts / ca.part_name(i)).write_bytes(chunk)
+    out = tmp_path / "coder"
+    out.mkdir()
+    with OutputLock(str(out), "coder-assets --model tiny (the first)"):
+        capsys.readouterr()
+        assert ca.main(["--model", "tiny", "--out", str(out), "--parts", str(parts)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "in use by another dflash process" in err[0] and "(the first)" in err[0]
+        assert not (out / "tiny-coder.gguf").exists()
+    assert ca.main(["--model", "tiny", "--out", str(out), "--parts", str(parts)]) == 0  # once the first is gone
+    assert (out / "tiny-coder.gguf").read_bytes() == tiny["data"]
+    (tmp_path / "a-file").write_text("x")
+    assert ca.main(["--model", "tiny", "--out", str(tmp_path / "a-file"), "--parts", str(parts)]) == 2
+    assert "is a file, not a folder" in capsys.readouterr().err

