@@ -21,9 +21,9 @@ layers, keep a device tensor: no host sync). The alternative, re-running the acc
 costs a second target forward on every partially accepted step; the record costs one state write per token.
 
 Prefill (eager, right-padded prompts of any length): the layers' own math through transformers' chunked delta rule
-(flash-linear-attention's kernel where transformers finds it), with beta = 0 and g = 0 past each prompt's length: a
-token with no update and no decay leaves the state as it was, so each row's final state is its prompt's own (the same
-arithmetic transformers' own padding of a chunk does); the conv window is each prompt's last K - 1 inputs.
+in torch (torch_chunk_gated_delta_rule, whatever kernels are installed), with beta = 0 and g = 0 past each prompt's
+length: a token with no update and no decay leaves the state as it was, so each row's final state is its prompt's own
+(the same arithmetic transformers' own padding of a chunk does); the conv window is each prompt's last K - 1 inputs.
 
 The arithmetic is transformers' Qwen3_5 modeling, module by module: the norms are the model's (1 + weight) RMSNorm
 modules, the attention's query comes with a gate (output * sigmoid(gate)) and q/k norms, the rotary embedding is
