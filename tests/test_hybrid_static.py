@@ -1,7 +1,8 @@
 """The static decoder of hybrid targets (dflash/core/static_hybrid.py: Gated DeltaNet + gated full attention, what
-`eval`, `regenerate` and `prompts` run in CUDA graphs on a GPU) against transformers' own model, float32 on CPU, tiny
-random Qwen3.5 targets (tests/tiny.py make_tiny_family; the multimodal layout as transformers builds it). A GPU step
-replays exactly the kernels of the eager call made here (tests/test_gpu.py replays the graphs). Covered:
+`eval`, `regenerate` and `prompts` run in CUDA graphs on a GPU with --target-graph) against transformers' own model,
+float32 on CPU, tiny random Qwen3.5 targets (tests/tiny.py make_tiny_family; the multimodal layout as transformers
+builds it). A GPU step replays exactly the kernels of the eager call made here (tests/test_gpu.py replays the
+graphs). Covered:
 
     prefill of right-padded prompts and steps of 1 and of several tokens per row, rows at different positions, give
         the HF forward's logits and captured layers, for the text class and the ForConditionalGeneration layout;
