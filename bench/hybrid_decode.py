@@ -27,7 +27,6 @@ import gc
 import json
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -35,6 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench.common import hardware, table  # noqa: E402
+from bench.decode import timed  # noqa: E402
 from bench.hybrid_extract import QWEN36_27B  # noqa: E402
 from dflash.core.static import static_decoder  # noqa: E402
 from dflash.core.target import decode_sdpa  # noqa: E402
@@ -77,20 +77,6 @@ class Bytes:
         if recorded:  # the state after each token written, then the kept one read back and written
             b += rows * (q * (self.state + self.conv) + 2 * self.state)
         return b
-
-
-def timed(fn, iters: int) -> float:
-    """Median seconds of fn() with the device synchronised (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    out = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
 
 
 def prefilled(m, rows: int, context: int, max_q: int):

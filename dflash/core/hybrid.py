@@ -208,6 +208,19 @@ def varlen_delta_rule(module, q, k, v, g, beta, docs: DocLayout) -> torch.Tensor
     return out
 
 
+def gdn_heads(m, mixed: torch.Tensor, b: torch.Tensor, a: torch.Tensor):
+    """A Gated DeltaNet's delta-rule inputs, as Qwen3_5GatedDeltaNet.forward makes them after its convolution: the
+    activated, convolved projections mixed [R, T, 2*key_dim + value_dim] split into q, k [R, T, Hk, Dk] and
+    v [R, T, Hv, Dv], and from b, a [R, T, Hv] the write strength beta = sigmoid(b) and the log decay
+    g = -exp(A_log) * softplus(a + dt_bias) (float32). Returns (q, k, v, g, beta)."""
+    R, T, _ = mixed.shape
+    q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
+    q = q.reshape(R, T, -1, m.head_k_dim)
+    k = k.reshape(R, T, -1, m.head_k_dim)
+    v = v.reshape(R, T, -1, m.head_v_dim)
+    return q, k, v, -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias), b.sigmoid()
+
+
 def varlen_gated_delta_net(module, hidden_states: torch.Tensor, docs: DocLayout) -> torch.Tensor:
     """Qwen3_5GatedDeltaNet.forward without a cache, each conversation of a packed row on its own (module docstring)."""
     R, T, _ = hidden_states.shape
@@ -219,13 +232,7 @@ def varlen_gated_delta_net(module, hidden_states: torch.Tensor, docs: DocLayout)
     conv = m.conv1d
     mixed = doc_conv(mixed, conv.weight.squeeze(1), conv.bias, docs)
     mixed = F.silu(mixed) if m.activation in ("silu", "swish") else _act(m.activation)(mixed)
-    mixed = mixed.to(hidden_states.dtype)
-    q, k, v = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-    q = q.reshape(R, T, -1, m.head_k_dim)
-    k = k.reshape(R, T, -1, m.head_k_dim)
-    v = v.reshape(R, T, -1, m.head_v_dim)
-    beta = b.sigmoid()
-    g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+    q, k, v, g, beta = gdn_heads(m, mixed.to(hidden_states.dtype), b, a)
     core = varlen_delta_rule(m, q, k, v, g, beta, docs)
     core = m.norm(core.reshape(-1, m.head_v_dim), z.reshape(-1, m.head_v_dim)).reshape(R, T, -1)
     return m.out_proj(core)

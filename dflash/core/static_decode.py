@@ -352,25 +352,10 @@ class StaticDecoder:
         why = unsupported(model)
         if why is not None:
             raise ValueError(f"the static decoder cannot run this model: {why}")
-        self.model = model
-        self.base = getattr(model, "model", model)
         self.layers = decoder_layers(model)
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.hidden_size = cfg.hidden_size
-        attn = self.layers[0].self_attn
-        self.head_dim = attn.head_dim
-        self.kv_heads = cfg.num_key_value_heads
-        self.heads = cfg.num_attention_heads
-        self.groups = self.heads // self.kv_heads
-        self.slots, self.bucket = int(slots), int(bucket)
-        self.max_len = -(-int(max_len) // self.bucket) * self.bucket
-        self.k, self.v = self._buffers(), self._buffers()
-        L = len(self.layers)
-        self.layer_ids = list(layer_ids or [])
-        self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
-        self._tables()
+        self._init_cache(model, getattr(model, "model", model), cfg, self.layers[0].self_attn, slots, max_len, bucket,
+                         layer_ids)
         self._qkv = []  # per layer: q, k and v projections stacked (one matmul; a copy of those weights)
         for layer in self.layers:
             a = layer.self_attn
@@ -383,6 +368,27 @@ class StaticDecoder:
         fused = self.device.type == "cuda" if fused is None else fused
         self.fused = bool(fused) and fusable(self.layers, cfg) is None and _FUSED_FAILED is None
         self._init_steps(graphs, max_q, varlen)
+
+    def _init_cache(self, model, base, cfg, attn, slots: int, max_len: int, bucket: int,
+                    layer_ids: list[int] | None) -> None:
+        """The set-up every static decoder shares, once self.layers is set: the model and its decoder stack (base:
+        embed_tokens, norm, rotary_emb), the attention's shape (attn: an attention module), the slots and their
+        positions, the key and value buffers (_buffers), the captured layers and the rotary tables."""
+        self.model, self.base = model, base
+        p = next(model.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.hidden_size = cfg.hidden_size
+        self.head_dim = attn.head_dim
+        self.kv_heads = cfg.num_key_value_heads
+        self.heads = cfg.num_attention_heads
+        self.groups = self.heads // self.kv_heads
+        self.slots, self.bucket = int(slots), int(bucket)
+        self.max_len = -(-int(max_len) // self.bucket) * self.bucket
+        self.k, self.v = self._buffers(), self._buffers()
+        L = len(self.layers)
+        self.layer_ids = list(layer_ids or [])
+        self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
+        self._tables()
 
     def _init_steps(self, graphs: bool, max_q: int, varlen: bool | str | None) -> None:
         """The step machinery every static decoder shares: graphs on or off, the varlen kernel, the graph table and

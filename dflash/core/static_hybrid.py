@@ -40,6 +40,7 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from .hybrid import gdn_heads
 from .static_decode import StaticDecoder, _attend, _fold, _varlen_attend, _varlen_lengths
 from .target import decoder_layers
 
@@ -120,29 +121,14 @@ class HybridDecoder(StaticDecoder):
         why = hybrid_unsupported(model)
         if why is not None:
             raise ValueError(f"the static decoder cannot run this model: {why}")
-        self.model = model
-        self.base = _text_model(model)
         self.layers = decoder_layers(model)
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
         cfg = _text_config(model)
-        self.hidden_size = cfg.hidden_size
         kinds = list(cfg.layer_types)[:len(self.layers)]
-        self.linear = [k == "linear_attention" for k in kinds]
+        self.linear = [k == "linear_attention" for k in kinds]  # (before _init_cache: _buffers reads it)
         # each layer's index among the layers of its kind (its buffers)
         self._index = [sum(1 for k in kinds[:i] if k == kind) for i, kind in enumerate(kinds)]
         attn = next(layer.self_attn for layer, lin in zip(self.layers, self.linear) if not lin)
-        self.head_dim = attn.head_dim
-        self.kv_heads = cfg.num_key_value_heads
-        self.heads = cfg.num_attention_heads
-        self.groups = self.heads // self.kv_heads
-        self.slots, self.bucket = int(slots), int(bucket)
-        self.max_len = -(-int(max_len) // self.bucket) * self.bucket
-        self.k, self.v = self._buffers(), self._buffers()
-        L = len(self.layers)
-        self.layer_ids = list(layer_ids or [])
-        self._final_norm_for = L - 1 if (L - 1) in self.layer_ids else None
-        self._tables()
+        self._init_cache(model, _text_model(model), cfg, attn, slots, max_len, bucket, layer_ids)
         gdn = next(layer.linear_attn for layer, lin in zip(self.layers, self.linear) if lin)
         n_lin = sum(self.linear)
         self.conv_dim, self.taps = gdn.conv_dim, gdn.conv_kernel_size
@@ -265,13 +251,7 @@ class HybridDecoder(StaticDecoder):
                 self.win[j][:n, :, :K - 1 + q].copy_(win)
             if not self._dry:
                 self.conv[j][:n].copy_(win[..., q:])
-        mixed = F.silu(conv).to(x.dtype).transpose(1, 2)
-        query, key, value = torch.split(mixed, [m.key_dim, m.key_dim, m.value_dim], dim=-1)
-        query = query.reshape(n, q, -1, m.head_k_dim)
-        key = key.reshape(n, q, -1, m.head_k_dim)
-        value = value.reshape(n, q, -1, m.head_v_dim)
-        beta = b.sigmoid()
-        g = -m.A_log.float().exp() * F.softplus(a.float() + m.dt_bias)
+        query, key, value, g, beta = gdn_heads(m, F.silu(conv).to(x.dtype).transpose(1, 2), b, a)
         if span is None:
             real = (torch.arange(q, device=x.device)[None] < lengths[:, None])[..., None]  # [n, q, 1]
             rule = getattr(sys.modules[type(m).__module__], "torch_chunk_gated_delta_rule")

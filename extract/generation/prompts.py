@@ -109,7 +109,7 @@ class Sampler:
         if not self.graphs and eager_reason(self.model):  # transformers' cache per layer kind (extract/generation/kind_engine.py)
             from dflash.core.static import not_by_default
 
-            off = not_by_default(self.model) if why == not_by_default(self.model) else None
+            off = why if why == not_by_default(self.model) else None
             print(f"prompts: {eager_reason(self.model)}: the eager decoder (no CUDA graphs{': ' + off if off else ''})",
                   flush=True)
         self.decoder = None

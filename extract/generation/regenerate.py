@@ -376,7 +376,7 @@ def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, fol
                           start_len=512, **kw)
     eager = eager_engine(model)
     if eager is not Engine:
-        off = not_by_default(model) if why == not_by_default(model) else None
+        off = why if why == not_by_default(model) else None
         print0(f"regenerate: {eager_reason(model)}: the eager decoder (no CUDA graphs{': ' + off if off else ''})")
     return eager(model, batch_size=batch, max_batch_tokens=max_tokens, **kw)
 
