@@ -66,7 +66,7 @@ def models(targets, family):
 
         path = targets[family]
         cls = tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5_vl" else tf.AutoModelForCausalLM
-        ref = cls.from_pretrained(path, dtype=torch.float32,
+        ref = cls.from_pretrained(path, dtype=torch.float32, use_kernels=False,
                                   attn_implementation="eager" if family == "gpt_oss" else "sdpa").eval()
         _MODELS[family] = (load_causal_lm(path, dtype=torch.float32).eval(), ref)
     return _MODELS[family]

@@ -50,7 +50,7 @@ def long_memory(path: str, family: str) -> str:
     import transformers as tf
 
     cls = tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5_vl" else tf.AutoModelForCausalLM
-    m = cls.from_pretrained(path, dtype=torch.float32)
+    m = cls.from_pretrained(path, dtype=torch.float32, use_kernels=False)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for mod in m.modules():
@@ -75,7 +75,8 @@ def models(targets, family):
 
         cls = tf.Qwen3_5ForConditionalGeneration if family == "qwen3_5_vl" else tf.AutoModelForCausalLM
         _MODELS[family] = (load_causal_lm(targets[family], dtype=torch.float32).eval(),
-                           cls.from_pretrained(targets[family], dtype=torch.float32, attn_implementation="sdpa").eval())
+                           cls.from_pretrained(targets[family], dtype=torch.float32, attn_implementation="sdpa",
+                                                use_kernels=False).eval())
     return _MODELS[family]
 
 

@@ -74,7 +74,7 @@ def speculators_model(path, arch: str = "dflash"):
     config = Config.from_pretrained(path)
     config.transformer_layer_config._attn_implementation = "sdpa"  # dense masks on CPU (flex is compiled)
     # float32 from the start: loaded in bf16 and cast, its RoPE frequencies would keep bf16 rounding
-    return Model.from_pretrained(path, config=config, dtype=torch.float32).eval()
+    return Model.from_pretrained(path, config=config, dtype=torch.float32, use_kernels=False).eval()
 
 
 def convert_with_speculators(zlab_dir, out, target) -> str:

@@ -70,7 +70,7 @@ def hf_greedy(model, prompt: list[int], max_new: int, eos: set[int] = frozenset(
     ids, out = list(prompt), []
     with torch.inference_mode():
         for _ in range(max_new):
-            t = int(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            t = int(model(input_ids=torch.tensor([ids], device=model.device)).logits[0, -1].argmax())
             out.append(t)
             ids.append(t)
             if t in eos:
