@@ -330,12 +330,15 @@ def _fused_failed(e: Exception) -> None:
 
 def fused_layers():
     """(pre, post, out): _layer_pre, _layer_post and _layer_out (post without its attention) through torch.compile,
-    built once per process. The weights are arguments, so one compiled graph serves every layer; the shapes (rows,
-    tokens, columns, positions) are symbolic, so no bucket, batch size or decoder size compiles again
-    (FUSED_RECOMPILE_LIMIT)."""
+    built once per process. The weights are arguments, so one compiled graph serves every layer. Its first call
+    compiles for static shapes; a size that then changes (rows, tokens, columns) becomes symbolic in a second compile
+    (torch's automatic dynamic shapes), so no later bucket or batch size compiles again (FUSED_RECOMPILE_LIMIT) while
+    the model's own sizes (heads, head and hidden widths) stay constants. Marking every size dynamic instead made the
+    pre-attention kernels index with symbolic widths: at the coder shape (830 rows), a regeneration step took 4.83 ms
+    against 3.88 ms (BENCHMARKS.md "Coder recipe")."""
     global _FUSED
     if _FUSED is None:
-        _FUSED = tuple(_limited(torch.compile(f, fullgraph=True, dynamic=True))
+        _FUSED = tuple(_limited(torch.compile(f, fullgraph=True, dynamic=None))
                        for f in (_layer_pre, _layer_post, _layer_out))
     return _FUSED
 
