@@ -19,9 +19,9 @@ and the eval: the in-source held-out prompts, MT-Bench (`heldout_source`, out-of
 bf16, then the float32 lossless check; block 16; `dflash eval`'s report records the harness settings.
 
 Its stage plan is the 0.5b recipe as measured from nothing on one H100 (2026-12-06, BENCHMARKS.md "Coder
-recipe"; 10 min 42 s): its eval then ran 72 prompts, 24 of each set, where it now runs all 236 (32 in-source, 40
-MT-Bench, 164 HumanEval), so that stage is the measured one scaled by 236 / 72. The 1.5b's is an estimate: the
-0.5b's stages scaled by the larger model's cost per unit of the same work (its preset asks the same data and steps):
+recipe"; 13 min 50 s: 2,000 training steps, the eval over all 236 prompts: 32 in-source, 40 MT-Bench, 164
+HumanEval). The 1.5b's is an estimate: the 0.5b's stages scaled by the larger model's cost per unit of the same work
+(its preset asks the same data and half the steps, training scaled by them):
 
     weights read per token (non-embedding + LM head): 0.5b 494M, 1.5b 1.54B (3.1x): converting the GGUF
     batched decoding (self prompts, regeneration, the validation data's target): ~2x (the 0.5b's steps are far from
@@ -29,10 +29,10 @@ MT-Bench, 164 HumanEval), so that stage is the measured one scaled by 236 / 72. 
     fp8 cache bytes per token (5 layers x H + scales, ids): 4,510 and 7,710 (1.7x): the extraction
     a drafter training position (4 layers of the target's width and MLP, fc, the LM head over 151,936 tokens):
     200M and 432M multiply-adds (2.2x): the training
-    eval: bf16 at batch 1, the step bound by launches more than bytes (1.58 ms for the 0.5b target): ~1.33x;
+    eval: bf16 at batch 1, the step bound by launches more than bytes (1.57 ms for the 0.5b target): ~1.33x;
     float32 reads twice the bytes of a 3.1x model: 3x a prompt, over 8 prompts instead of 16
 
-which gives ~25 min for the 1.5b from nothing, the target's transfer to a machine without internet (1.12 GB; the
+which gives ~19 min for the 1.5b from nothing, the target's transfer to a machine without internet (1.12 GB; the
 0.5b's 0.49 GB took ~30 s in 8 parts) and the machine's start on top: it should fit a 30-minute machine, unmeasured.
 """
 
@@ -45,26 +45,27 @@ PRESETS = {"0.5b": "demo-gpu-coder", "1.5b": "demo-gpu-coder-1.5b"}
 WORKDIRS = {"0.5b": "work/demo-gpu-coder", "1.5b": "work/demo-gpu-coder-1.5b"}
 CODER_DIR = "work/coder"  # where `make coder-assets` joins the GGUF (--coder-dir)
 
-# the 0.5b recipe's stages, measured from nothing on one H100 (2026-12-06: 1,000 steps, its eval over 72 prompts)
-MEASURED_0_5B = {"prepare target": 43.6, "self prompts": 123.1, "data": 3.1, "regenerate": 24.4,
-                 "validation data": 33.5, "extract": 18.6, "train": 268.6, "eval bfloat16": 72.4,
-                 "eval float32": 43.4}
-MEASURED_EVAL_PROMPTS = 72  # the bf16 eval's prompts then; the preset's sets hold 236
+# the 0.5b recipe's stages, measured from nothing on one H100 (2026-12-06: 2,000 steps, its eval over all 236 prompts)
+MEASURED_0_5B = {"prepare target": 26.9, "self prompts": 114.1, "data": 2.4, "regenerate": 20.5,
+                 "validation data": 23.3, "extract": 12.1, "train": 459.7, "eval bfloat16": 135.4,
+                 "eval float32": 30.5}
+MEASURED_STEPS = 2000  # the training steps of that run: a preset's "train" is scaled by its own max_steps
 # the cost of each stage per unit of the same work, 1.5b against 0.5b (module docstring)
 LARGER = {"prepare target": 3.1, "self prompts": 2.0, "data": 1.0, "regenerate": 2.0, "validation data": 2.0,
           "extract": 1.7, "train": 2.2, "eval bfloat16": 1.33, "eval float32": 3.0 * 8 / 16}
-EVAL_PROMPTS = 32 + 40 + 164  # in-source, MT-Bench, HumanEval
 
 
 def coder_stage_seconds(model: str) -> dict[str, float]:
-    """The coder recipe's expected seconds per stage for `model` (0.5b, 1.5b): the 0.5b's measured stages (its eval
-    scaled to every prompt of its sets), times LARGER for the 1.5b. The training follows the extraction, so "train"
-    is what is left after it."""
+    """The coder recipe's expected seconds per stage for `model` (0.5b, 1.5b): the 0.5b's measured stages, its
+    training scaled by the preset's steps (MEASURED_STEPS), times LARGER for the 1.5b. The training follows the
+    extraction, so "train" is what is left after it."""
+    from dflash.core.config import read_preset
+
     if model not in PRESETS:
         known = ", ".join(m for m in CODER_MODELS if m)
         raise ValueError(f"coder_model: {model!r} is not a coder model (known: {known})")
-    out = dict(MEASURED_0_5B, **{"eval bfloat16": MEASURED_0_5B["eval bfloat16"] * EVAL_PROMPTS
-                                 / MEASURED_EVAL_PROMPTS})
+    steps = read_preset(PRESETS[model], "train").get("max_steps") or MEASURED_STEPS
+    out = dict(MEASURED_0_5B, train=MEASURED_0_5B["train"] * steps / MEASURED_STEPS)
     if model == "1.5b":
         out = {k: v * LARGER[k] for k, v in out.items()}
     return out

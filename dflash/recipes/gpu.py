@@ -179,11 +179,14 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     check_caches(workdir, bool(arch))
     plan = gpu_stage_plan(preset, train_overrides, arch)
     what = f"the GPU recipe ({preset})" + (f", a {arch} drafter compared with the DFlash one," if arch else "")
-    print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one H200 ("
+    measured_on = "H100" if recipe.coder_model else "H200"  # where the plan's stages were measured
+    print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one "
+          f"{measured_on} ("
           + (f"estimated: the {arch} stages from DFlash's, training for DFlash's training time, eval "
              f"x{DFLASH2_EVAL_FACTOR:g}" if arch else
-             f"estimated from the GPU recipe's stages for Qwen2.5-Coder-{recipe.coder_model.upper()}-Instruct: "
-             "dflash/recipes/coder.py" if recipe.coder_model else "as measured for the shipped preset")
+             ("as measured for the 0.5B: " if recipe.coder_model == "0.5b" else
+              "estimated from the 0.5B's measured stages: ") + "dflash/recipes/coder.py" if recipe.coder_model
+             else "as measured for the shipped preset")
           + "); the first training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
