@@ -1,9 +1,9 @@
 """Decoding a hybrid target through the static decoder (dflash/core/static_hybrid.py: per-slot conv windows and
 recurrent states beside the attention layers' KV cache, steps replayed as CUDA graphs), against its bytes bound.
 
-Feeds BENCHMARKS.md, "Hybrid targets". On one GPU, random bf16 weights of the Qwen3.6-27B shape (bench/hybrid_extract.py
-QWEN36_27B: hidden 5120, linear attention 16 key / 48 value heads of 128, full attention 24 / 4 heads of 256, vocab
-248,320), its first --layers layers (3 linear to 1 full):
+Feeds BENCHMARKS.md, "Hybrid targets when decoding". On one GPU, random bf16 weights of the Qwen3.6-27B shape
+(bench/hybrid_extract.py QWEN36_27B: hidden 5120, linear attention 16 key / 48 value heads of 128, full attention
+24 / 4 heads of 256, vocab 248,320), its first --layers layers (3 linear to 1 full):
 
   step b1       one token of one sequence after --context tokens (the target alone in `dflash eval`)
   step bN       one token for each of --rows sequences of --context tokens (regenerate's batched step)

@@ -444,8 +444,8 @@ def pipeline(**kw):
 @option("--target-graph/--no-target-graph", default=None,
         help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
              "it); off: the eager HF forward. Its outputs are checked against the target's own either way.",
-        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets; Qwen3.5/3.6 hybrids only when asked "
-                     "(their graphs not yet checked on a GPU)")
+        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets and Qwen3.5/3.6 hybrids "
+                     "(not their MoE)")
 @option("--draft-graph/--no-draft-graph", default=None,
         help="Run the drafter's step (the verified block into its context, then the next draft) as one CUDA "
              "graph, checked against the eager step once (near ties aside).",
@@ -496,8 +496,8 @@ def eval_cmd(preset, no_progress, **flags):
 @option("--target-graph/--no-target-graph", default=None,
         help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
              "it); off: the eager HF forward. The same text either way in float32.",
-        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets; Qwen3.5/3.6 hybrids only when asked "
-                     "(their graphs not yet checked on a GPU)")
+        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets and Qwen3.5/3.6 hybrids "
+                     "(not their MoE)")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the local rank's GPU, else cpu")
 @option("--threads", type=int, help="Intra-op CPU threads while decoding.",
@@ -554,8 +554,8 @@ def regenerate(preset, gpus, json_out, no_progress, **flags):
 @option("--target-graph/--no-target-graph", default=None,
         help="Decode the target in CUDA graphs over a static KV cache (one replay per step, as serving engines run "
              "it); off: the eager HF forward. The same text either way in float32.",
-        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets; Qwen3.5/3.6 hybrids only when asked "
-                     "(their graphs not yet checked on a GPU)")
+        default_text="on a GPU, for Llama/Qwen2/Qwen3/Mistral-type targets and Qwen3.5/3.6 hybrids "
+                     "(not their MoE)")
 @option("--overwrite", is_flag=True, default=None, help="Start over in an --out written with other settings.")
 @option("--device", help="cpu, cuda or cuda:N.", default_text="the GPU when there is one, else cpu")
 @option("--threads", type=int, help="Intra-op CPU threads while decoding.",

@@ -355,3 +355,32 @@ def test_hybrid_captured_steps_equal_the_eager_ones_and_the_hf_forward(tmp_path)
     prompts = [ids[i, :n].tolist() for i, n in enumerate((5, 17, 30, 9))]
     static = generate(m, prompts, eos_ids=set(), max_new_tokens=24, batch_size=2, refill=1, engine="static")
     assert [r.tokens for r in static] == [hf_greedy(m, q, 24) for q in prompts]
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen3_5_moe"])
+def test_eval_decodes_a_hybrid_in_cuda_graphs_by_default(tmp_path, family, capsys):
+    """--target-graph left unset, `eval` on a GPU decodes a Qwen3.5 hybrid through its static decoder in CUDA graphs
+    (no line about the eager decoder), every float32 output the target's own; Qwen3.5-MoE stays on the eager path
+    and its one line says why."""
+    from tiny import make_tiny_family
+    from test_hybrid_decoding import drafter_for
+
+    from dflash.core.target import load_causal_lm
+    from dflash.train.drafter.checkpoint import save_drafter
+    from dflash.train.evaluate.eval import EvalConfig, run_eval
+
+    path = make_tiny_family(str(tmp_path / family), family, num_layers=4)
+    drafter = str(tmp_path / "drafter")
+    save_drafter(drafter_for(load_causal_lm(path, dtype=torch.float32), seed=3), drafter, dtype=torch.float32)
+    data = write_jsonl(str(tmp_path / "eval.jsonl"), chat_rows(3, seed=4))
+    rep = run_eval(EvalConfig(target=path, drafter=drafter, data=data, max_prompts=2, max_new_tokens=12,
+                              warmup_prompts=0, device="cuda", dtype="float32", progress=False))
+    for k in ("dflash", "ngram"):
+        assert rep[k]["outputs_identical"] == 2, k
+    said = [ln for ln in capsys.readouterr().out.splitlines() if "the eager decoder" in ln]
+    if family == "qwen3_5":
+        assert rep["target_graph"] and rep["target_attention"] == "static-graph" and not said, said
+    else:
+        assert not rep["target_graph"]
+        assert said == ["eval: linear_attention layers: the eager decoder (no CUDA graphs: decoder layers of type "
+                        "Qwen3_5MoeDecoderLayer)"], said

@@ -1,5 +1,5 @@
 """The static decoder of hybrid targets (dflash/core/static_hybrid.py: Gated DeltaNet + gated full attention, what
-`eval`, `regenerate` and `prompts` run in CUDA graphs on a GPU with --target-graph) against transformers' own model,
+`eval`, `regenerate` and `prompts` run in CUDA graphs on a GPU by default) against transformers' own model,
 float32 on CPU, tiny random Qwen3.5 targets (tests/tiny.py make_tiny_family; the multimodal layout as transformers
 builds it). A GPU step replays exactly the kernels of the eager call made here (tests/test_gpu.py replays the
 graphs). Covered:
@@ -12,12 +12,15 @@ graphs). Covered:
         lookup, an untrained DFlash drafter) and `eval` itself on the static target are lossless;
     the slot engine of regenerate / prompts (refills, a compaction that moves rows and their states, a request too
         long for a slot decoded by the hybrid's eager engine beside it) decodes the target's greedy text;
+    on a GPU a hybrid takes its static decoder by default, as a dense target does (--no-target-graph: eager);
     Qwen3.5-MoE and gpt-oss stay on the eager path, named by unsupported().
 """
 
 from __future__ import annotations
 
 import random
+import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -246,14 +249,46 @@ def test_experts_and_sliding_windows_stay_on_the_eager_path(work):
         StaticDecoder(load_causal_lm(make_tiny_family(work / "text", "qwen3_5", num_layers=4)), slots=1, max_len=32)
 
 
-def test_the_hybrid_graphs_are_taken_only_when_asked_for_until_checked_on_a_gpu(targets, work):
-    """A static decoder whose CUDA graphs have not run on a GPU (UNCHECKED) is not the default: --target-graph left
-    unset keeps the eager path, and the line that says so names the flag; a dense target's decoder is the default."""
-    from dflash.core.static import not_by_default
+class OnGpu:
+    """A model as the choice of decoder sees it on a GPU: its parameters report a CUDA device, the rest is the model's
+    (nothing runs on it)."""
+
+    def __init__(self, model):
+        self.wrapped = model
+
+    def __getattr__(self, name):
+        return getattr(self.wrapped, name)
+
+    def parameters(self):
+        yield SimpleNamespace(device=torch.device("cuda"))
+
+
+def test_on_a_gpu_a_hybrid_takes_the_static_decoder_by_default(targets, work, monkeypatch):
+    """--target-graph left unset, a Qwen3.5 / 3.6 hybrid (either layout) on a GPU takes its static decoder as a dense
+    target takes StaticDecoder: eval's StaticTarget, and the slot engine of regenerate, prompts and generate (all ask
+    graphs_unsupported); --no-target-graph keeps the eager path, and so does a CPU. Qwen3.5-MoE and gpt-oss stay
+    eager, the reason named, and --target-graph on them is an error naming it."""
+    from dflash.train.drafter.model import DrafterError
+    from dflash.core.static import graphs_unsupported
+    from dflash.train.evaluate import eval as ev
     from tests.tiny import make_tiny_target
 
-    for family in ("qwen3_5", "qwen3_5_vl"):
-        m = models(targets, family)[0]
-        assert unsupported(m) is None and "--target-graph turns it on" in not_by_default(m)
+    monkeypatch.setattr(ev, "StaticTarget", lambda model, *a, **kw: ("static", model))
+
+    def choose(model, flag):
+        return ev.static_target(SimpleNamespace(target_graph=flag), model, LAYERS, 64, BLOCK)
+
     dense = load_causal_lm(make_tiny_target(work / "dense", num_layers=2), dtype=torch.float32)
-    assert unsupported(dense) is None and not_by_default(dense) is None
+    for m in [models(targets, f)[0] for f in FAMILIES] + [dense]:
+        assert graphs_unsupported(m) == "not on a CUDA device" and choose(m, None) is None
+        gpu = OnGpu(m)
+        assert graphs_unsupported(gpu) is None
+        assert choose(gpu, None) == choose(gpu, True) == ("static", gpu) and choose(gpu, False) is None
+    for family in ("qwen3_5_moe", "gpt_oss"):
+        gpu = OnGpu(load_causal_lm(make_tiny_family(work / f"{family}-gpu", family, num_layers=4),
+                                   dtype=torch.float32))
+        why = graphs_unsupported(gpu)
+        assert why is not None and why.startswith("decoder layers of type ") and choose(gpu, None) is None
+        with pytest.raises(DrafterError, match=re.escape(f"--target-graph: the target cannot decode in CUDA graphs "
+                                                         f"here ({why})")):
+            choose(gpu, True)

@@ -4,12 +4,12 @@ Qwen3.5 / 3.6 hybrids (Gated DeltaNet + gated full attention). Both have one int
 accept, prepare, move, grow); callers (the slot engine of regenerate and prompts, eval's StaticTarget) ask here.
 
     why = unsupported(model)                    # None, or why neither runs it (the caller keeps the HF forward)
-    why = why or not_by_default(model)          # with --target-graph left to its default
+    why = graphs_unsupported(model)             # or "not on a CUDA device": None where --target-graph's default is on
     dec = static_decoder(model, slots=.., max_len=.., ...)
 
-The hybrid decoder equals the HF forward in float32 on a CPU (tests/test_hybrid_static.py), with graphs off; its
-captured steps have not yet run on a GPU (tests/test_gpu.py holds their check). Until they have, a hybrid target
-decodes on the eager path unless --target-graph asks for the graphs: not_by_default names why.
+The hybrid decoder equals the HF forward in float32 on a CPU (tests/test_hybrid_static.py), with graphs off, and its
+captured steps equal its eager ones and the HF forward on a GPU (tests/test_gpu.py): on a GPU a hybrid target takes
+it by default, as a dense one takes StaticDecoder; --no-target-graph keeps the eager path.
 """
 
 from __future__ import annotations
@@ -38,12 +38,9 @@ def static_decoder(model, **kwargs) -> StaticDecoder:
     return (HybridDecoder if _hybrid(model) else StaticDecoder)(model, **kwargs)
 
 
-# What keeps a decoder that can run a model from being the default (--target-graph left unset), by decoder.
-UNCHECKED = {HybridDecoder: "its CUDA-graph decoder (dflash/core/static_hybrid.py) has not yet been checked on a GPU; "
-                            "--target-graph turns it on"}
-
-
-def not_by_default(model) -> str | None:
-    """Why `model` decodes on the eager path when --target-graph is left unset although a static decoder runs it
-    (UNCHECKED), or None."""
-    return UNCHECKED.get(HybridDecoder if _hybrid(model) else StaticDecoder)
+def graphs_unsupported(model) -> str | None:
+    """None when `model` decodes in CUDA graphs here (--target-graph's default: on a CUDA device, where a static
+    decoder runs it), else why not (in words)."""
+    if next(model.parameters()).device.type != "cuda":
+        return "not on a CUDA device"
+    return unsupported(model)

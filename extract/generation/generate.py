@@ -23,7 +23,8 @@ from dflash.extract.generation.engine import (  # noqa: F401  (the engine's name
     rng_key,
 )
 from dflash.extract.generation.kind_engine import KindEngine
-from dflash.extract.generation.slot_engine import SlotEngine, slot_engine_unsupported
+from dflash.core.static import graphs_unsupported
+from dflash.extract.generation.slot_engine import SlotEngine
 
 
 def eager_engine(model) -> type:
@@ -48,8 +49,7 @@ def generate(model, prompts: Sequence[Sequence[int]], *, eos_ids: Iterable[int],
     mnt = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
     if engine not in ("auto", "eager", "static"):
         raise ValueError(f"engine must be auto, eager or static, got {engine!r}")
-    # auto: a decoder not yet checked on a GPU is not taken (slot_engine_unsupported, dflash.core.static not_by_default)
-    static = engine == "static" or (engine == "auto" and slot_engine_unsupported(model) is None)
+    static = engine == "static" or (engine == "auto" and graphs_unsupported(model) is None)
     if static and prompts:
         longest = max(len(p) + m for p, m in zip(prompts, mnt))
         eng = SlotEngine(model, eos_ids=eos_ids, slots=min(batch_size, len(prompts)), max_len=longest,

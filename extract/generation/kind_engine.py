@@ -1,8 +1,8 @@
 """The eager batch decoder for targets with linear-attention or sliding-window layers (Qwen3.5-MoE, gpt-oss, and
-Qwen3.5 / 3.6 unless --target-graph puts them in the slot engine on a GPU, or beside it for a request too long for its
-slots): extract/generation/generate.py's
-Engine (its queue, refills, compactions, continuations, sampling and statistics) over transformers' own cache laid
-out per layer kind (dflash.core.decode_state decoding_cache) and transformers' own masks.
+Qwen3.5 / 3.6 on a CPU, with --no-target-graph, or beside the slot engine for a request too long for its slots):
+extract/generation/generate.py's Engine (its queue, refills, compactions, continuations, sampling and statistics)
+over transformers' own cache laid out per layer kind (dflash.core.decode_state decoding_cache) and transformers' own
+masks.
 
 What differs from Engine (whose SlabCache and 4D boolean mask assume every layer is full attention):
   * the forward gets a 2D real-token mask [B, columns] (left padding) and builds each layer kind's mask itself: the
@@ -13,8 +13,9 @@ What differs from Engine (whose SlabCache and 4D boolean mask assume every layer
     the left, linear layers' conv and recurrent states per row); a compaction keeps rows with
     decode_state.select_rows and cuts the leading columns that are padding for every kept row, as Engine does.
 
-No CUDA graphs (a Qwen3.5 / 3.6 hybrid can take extract/generation/slot_engine.py's, dflash.core.static_hybrid's
-per-slot recurrent states and windows, when asked: dflash.core.static not_by_default). Greedy rows decode the target's own greedy text (tests/test_hybrid_decoding.py), whatever the batch they ran in.
+No CUDA graphs (on a GPU a Qwen3.5 / 3.6 hybrid takes extract/generation/slot_engine.py's, over
+dflash.core.static_hybrid's per-slot recurrent states and windows). Greedy rows decode the target's own greedy text
+(tests/test_hybrid_decoding.py), whatever the batch they ran in.
 """
 
 from __future__ import annotations

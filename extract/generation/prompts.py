@@ -97,21 +97,17 @@ class Sampler:
         self.model = load_causal_lm(target, device=self.device, dtype=self.dtype, attn_impl="sdpa")
         self.eos = eos_ids_of(self.model, self.tokenizer)
         self.engine = plan_engine(load_config(target), self.dtype, self.device, batch_size)
+        from dflash.core.static import graphs_unsupported
         from dflash.core.target import TargetError
-        from dflash.extract.generation.slot_engine import slot_engine_unsupported
 
-        why = slot_engine_unsupported(self.model, asked=bool(target_graph))
+        why = graphs_unsupported(self.model) if target_graph is not False else "--no-target-graph"
         if target_graph and why is not None:
             raise TargetError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
-        self.graphs = why is None if target_graph is None else bool(target_graph)  # False: the eager engine
+        self.graphs = why is None  # False: the eager engine
         from dflash.core.decode_state import eager_reason
 
         if not self.graphs and eager_reason(self.model):  # transformers' cache per layer kind (extract/generation/kind_engine.py)
-            from dflash.core.static import not_by_default
-
-            off = why if why == not_by_default(self.model) else None
-            print(f"prompts: {eager_reason(self.model)}: the eager decoder (no CUDA graphs{': ' + off if off else ''})",
-                  flush=True)
+            print(f"prompts: {eager_reason(self.model)}: the eager decoder (no CUDA graphs: {why})", flush=True)
         self.decoder = None
 
     def rows(self, first: int, last: int, settings: dict[str, Any], on_row=None) -> list[dict[str, Any]]:

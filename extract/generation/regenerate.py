@@ -62,8 +62,8 @@ from dflash.extract.generation.engine import (  # noqa: F401  (re-exported: the 
     uniforms,
 )
 from dflash.extract.generation.generate import eager_engine, generate  # noqa: F401
-from dflash.core.static import not_by_default
-from dflash.extract.generation.slot_engine import SlotEngine, plan_slots, slot_engine_unsupported
+from dflash.core.static import graphs_unsupported
+from dflash.extract.generation.slot_engine import SlotEngine, plan_slots
 from dflash.extract.generation.regen_out import (  # noqa: F401  (META_NAME, part_name: importable from here, as before the split)
     FORMAT,
     FORMAT_VERSION,
@@ -363,7 +363,7 @@ def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
 def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, follow):
     """The slot engine (the decode step in CUDA graphs over a static KV cache) where the GPU and the model allow
     it and --target-graph is not off, else the eager Engine; --target-graph on where it cannot is an error."""
-    why = slot_engine_unsupported(model, asked=bool(cfg.target_graph)) if cfg.target_graph is not False else "off"
+    why = graphs_unsupported(model) if cfg.target_graph is not False else "--no-target-graph"
     plan = plan_slots(hf_cfg, dtype, batch, max_tokens) if why is None else None
     if why is None and plan is None:
         why = f"a KV budget of {max_tokens} tokens holds too few positions per row"
@@ -376,8 +376,7 @@ def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, fol
                           start_len=512, **kw)
     eager = eager_engine(model)
     if eager is not Engine:
-        off = why if why == not_by_default(model) else None
-        print0(f"regenerate: {eager_reason(model)}: the eager decoder (no CUDA graphs{': ' + off if off else ''})")
+        print0(f"regenerate: {eager_reason(model)}: the eager decoder (no CUDA graphs: {why})")
     return eager(model, batch_size=batch, max_batch_tokens=max_tokens, **kw)
 
 

@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from dflash.core.decode_state import needs_kind_cache
-from dflash.core.static import not_by_default, static_decoder, unsupported
+from dflash.core.static import static_decoder
 from dflash.core.static_decode import StaticDecoder
 from dflash.core.target import decode_sdpa, text_config
 
@@ -89,14 +89,6 @@ def plan_slots(cfg_hf, dtype, batch_size: int, max_batch_tokens: int, bucket: in
     if max_len < 2 * bucket:
         return None
     return SlotPlan(slots, max_len, max(4096, budget // 10 * 2 // 5))
-
-
-def slot_engine_unsupported(model, asked: bool = False) -> str | None:
-    """None when SlotEngine can decode `model` with CUDA graphs, else why not; asked: --target-graph was given (else
-    a decoder not yet checked on a GPU is not taken: dflash.core.static not_by_default)."""
-    if next(model.parameters()).device.type != "cuda":
-        return "not on a CUDA device"
-    return unsupported(model) or (None if asked else not_by_default(model))
 
 
 class SlotEngine:

@@ -311,14 +311,12 @@ def load_for_decoding(target_path: str, drafter_path: str, dtype: torch.dtype, d
 def static_target(cfg: EvalConfig, model, layer_ids: list[int], max_len: int, block_size: int):
     """StaticTarget (the target's steps in CUDA graphs) when cfg.target_graph allows it and the device and the
     model can; None for the HF forward. --target-graph on where it cannot is an error naming why."""
-    from dflash.core.static import not_by_default, unsupported
+    from dflash.core.static import graphs_unsupported
 
-    cuda = next(model.parameters()).device.type == "cuda"
-    why = None if cuda else "not on a CUDA device"
-    why = why or unsupported(model)
+    why = graphs_unsupported(model)
     if cfg.target_graph and why is not None:
         raise DrafterError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
-    if cfg.target_graph is False or why is not None or (cfg.target_graph is None and not_by_default(model)):
+    if cfg.target_graph is False or why is not None:
         return None
     return StaticTarget(model, layer_ids, max_len=max_len, block_size=block_size)
 
@@ -358,10 +356,10 @@ def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
     graph = dev.type == "cuda" if cfg.draft_graph is None else cfg.draft_graph
     target = static_target(cfg, model, drafter.cfg.target_layer_ids, max_len, B) or target
     if not isinstance(target, StaticTarget) and target.by_kind:  # decode_state's cache, rolled back per layer kind
-        from dflash.core.static import not_by_default
+        from dflash.core.static import graphs_unsupported
 
-        off = not_by_default(model) if dev.type == "cuda" and cfg.target_graph is None else None
-        print(f"eval: {eager_reason(model)}: the eager decoder (no CUDA graphs{': ' + off if off else ''})", flush=True)
+        why = "--no-target-graph" if cfg.target_graph is False else graphs_unsupported(model)
+        print(f"eval: {eager_reason(model)}: the eager decoder (no CUDA graphs: {why})", flush=True)
     dflash = (DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer)(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
