@@ -61,3 +61,44 @@ def test_follower_command_line_and_a_failing_follower(tmp_path):
                           "--out", str(tmp_path / "run"), "--follow"])
     with pytest.raises(ConfigError, match="rerun the same `dflash demo`"):
         f.wait()
+
+
+def test_a_recipe_on_a_basis_extracts_both_caches_on_one_fitted_on_the_training_answers(tmp_path, capsys):
+    """extract: basis_rank in the preset: the validation cache (extracted first, for the trainer that follows the main
+    extraction) and the main cache are both on the basis of cache-basis/, fitted on samples spread over the
+    regenerated training answers, so that the trainer takes the one as the other's --val-cache; the drafter it writes
+    has the composed fc (K*H inputs); a rerun resumes every cache, the basis's too. Without the shared basis the two
+    caches fit their own and train refuses them (basis.digest)."""
+    import dflash_cache
+    from dflash.recipes import gpu_stages
+
+    target = make_tiny_target(tmp_path / "target")
+    preset = tmp_path / "tiny-basis.yaml"
+    preset.write_text(TINY_RECIPE.replace("recipe:\n", "recipe:\n  follow: true\n")
+                      .replace("extract:\n", "extract:\n  basis_rank: 12\n  basis_fit_tokens: 512\n"))
+    work = tmp_path / "w"
+    s = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
+    out = capsys.readouterr().out
+    caches = {n: dflash_cache.open(str(work / n)) for n in ("cache-basis", "cache-valid", "cache")}
+    recs = {n: c.metadata["basis"] for n, c in caches.items()}
+    assert {r["rank"] for r in recs.values()} == {12} and len({r["digest"] for r in recs.values()}) == 1
+    assert all(c.complete for c in caches.values())
+    fit = (work / "data" / "basis-fit.jsonl").read_text().splitlines()
+    regen = [x for f in sorted((work / "regenerated" / "data").glob("part-*.jsonl")) for x in f.read_text().splitlines()]
+    assert fit == regen and s["data"]["train_samples"] == len(regen)  # fewer than BASIS_SAMPLES: every one
+    assert f"fitted on {len(regen)} of the {len(regen)} regenerated samples (one in 1)" in out
+    assert out.index("[3/7] regenerate") < out.index("the caches' basis") < out.index("[4/7] validation data")
+    fc = load_file(str(work / "run" / "final" / "model.safetensors"))["fc.weight"]
+    assert fc.shape[1] == 3 * 64  # composed: K * H inputs, as a drafter trained on the features themselves
+    assert s["eval"]["float32"]["identical"] == "3/3" and s["train"]["steps"] == 6
+    # a rerun of the stages resumes every cache: no cache file changes
+    files = {f: f.stat().st_mtime_ns for n in caches for f in (work / n).rglob("*") if f.is_file()}
+    (work / "run" / "eval-float32.json").unlink()
+    again = run_gpu_demo(str(work), preset=str(preset), device="cpu", progress=False, target=str(target))
+    assert again["eval"]["float32"]["identical"] == "3/3"
+    assert {f: f.stat().st_mtime_ns for n in caches for f in (work / n).rglob("*") if f.is_file()} == files
+    # the basis is the recipe's to set: a preset naming basis_from is one error naming it
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(preset.read_text().replace("extract:\n", "extract:\n  basis_from: elsewhere\n"))
+    with pytest.raises(ConfigError, match="basis_from"):
+        gpu_stages.shared_basis(str(work), str(bad), str(target), str(work / "regenerated"), "cpu", False, {})

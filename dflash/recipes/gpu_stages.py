@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from dflash.core.config import ConfigError, build
+from dflash.core.config import ConfigError, build, read_preset
 from dflash.core.io import atomic_json
 from dflash.recipes.assets import smollm2_gguf
 from dflash.recipes.gpu_config import PRESET, load_recipe
@@ -155,6 +155,9 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     timings["regenerate"] = time.perf_counter() - t
 
     cache = os.path.join(workdir, "cache")
+    basis = shared_basis(workdir, preset, target, regen_out, device, progress, tok)
+    if basis is not None:  # both caches on one basis, fitted on the training answers (train refuses two bases)
+        tok = dict(tok, basis_from=basis)
 
     def main_extract():
         start("extract")
@@ -183,6 +186,54 @@ def prepare(workdir: str, preset: str = PRESET, device: str = "auto", progress: 
     if ex is None:  # follow: the trainer needs the validation cache when it starts
         ex = main_extract()
     return Prepared(target, held, cache, counts, timings, regen, ex, val_cache)
+
+
+BASIS_SAMPLES = 2048  # training samples, spread evenly over the regenerated answers, that the basis is fitted from
+
+
+def shared_basis(workdir: str, preset: str, target: str, regen_out: str, device: str, progress: bool,
+                 tok: dict) -> str | None:
+    """With `extract: basis_rank: R` in the preset: WORKDIR/cache-basis, a cache of every k-th regenerated training
+    sample (BASIS_SAMPLES of them, spread over the mix's sources) extracted with --basis-rank R, whose basis the
+    validation cache and the main cache are then extracted on (--basis-from), so that they share one P whichever is
+    extracted first (the validation cache is, when the trainer follows the main extraction). None without a basis.
+    Deterministic; resumed as any extraction is."""
+    from dflash.extract.run import ExtractConfig, run_extract
+
+    section = read_preset(preset, "extract")
+    if not section.get("basis_rank"):
+        return None
+    if section.get("basis_from"):
+        raise ConfigError(f"preset {preset}: extract: basis_from is set by the recipe when basis_rank is (its caches "
+                          "share one basis fitted on the training answers): leave it out")
+    parts = [os.path.join(regen_out, "data", n) for n in sorted(os.listdir(os.path.join(regen_out, "data")))
+             if n.endswith(".jsonl")]
+
+    def samples():
+        for part in parts:
+            with open(part) as f:
+                yield from (line.rstrip("\n") + "\n" for line in f if line.strip())
+
+    total = sum(1 for _ in samples())
+    step = max(1, total // BASIS_SAMPLES)
+    chosen = "".join(line for i, line in enumerate(samples()) if i % step == 0 and i // step < BASIS_SAMPLES)
+    data = os.path.join(workdir, "data", "basis-fit.jsonl")
+    old = None
+    if os.path.exists(data):
+        with open(data) as f:
+            old = f.read()
+    if old != chosen:  # a rerun finds the same file and resumes the cache it made
+        tmp = data + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(chosen)
+        os.replace(tmp, data)
+    out = os.path.join(workdir, "cache-basis")
+    print(f"demo-gpu: the caches' basis (rank {section['basis_rank']}): fitted on {chosen.count(chr(10))} of the "
+          f"{total} regenerated samples (one in {step}) -> {out}", flush=True)
+    mine = {k: v for k, v in tok.items() if k != "last_hidden"}  # the basis is the context features' alone
+    run_extract(build(ExtractConfig, preset, "extract", {"target": target, "data": data, "out": out, "device": device,
+                                                         "progress": progress, **mine}))
+    return out
 
 
 def train_and_eval(prep: Prepared, run: str, preset: str = PRESET, device: str = "auto", progress: bool = True,
