@@ -168,6 +168,33 @@ def test_the_preset_builds_every_stage_config():
     build(EvalConfig, "demo-gpu", "eval", {"target": "t", "drafter": "d", "data": "p"})
 
 
+def test_the_3x_preset_scales_the_data_stages_and_stores_its_caches_on_a_basis():
+    """configs/demo-gpu-3x.yaml: every stage's config builds; its caches are on a basis of rank H/2 in fp8; its mix
+    makes 2.72x the measured preset's samples (self prompts / self's share), and the stage plan scales the data's
+    stages by that (self prompts by the prompts), the training after the extraction by what the trainer had left,
+    and the rest stays: ~20 minutes on one H200, estimated."""
+    from dflash.core.config import build
+    from dflash.extract.generation.regenerate import RegenerateConfig
+    from dflash.extract.run import ExtractConfig
+    from dflash.recipes.gpu import GPU_STAGE_SECONDS, gpu_stage_plan
+    from dflash.recipes.gpu_config import data_scale
+
+    r, base = load_recipe("demo-gpu-3x"), load_recipe("demo-gpu")
+    build(RegenerateConfig, "demo-gpu-3x", "regenerate", {"target": "t", "data": "d", "out": "o"})
+    e = build(ExtractConfig, "demo-gpu-3x", "extract", {"target": "t", "data": "d", "out": "o"})
+    assert (e.basis_rank, e.hidden_dtype, e.basis_from) == (288, "fp8", None)
+    assert data_scale(base) == 1.0 and data_scale(r) == pytest.approx((184320 / 0.69) / (49152 / 0.5))
+    assert list(r.sources)[0] == "self" and sum(r.sources.values()) == pytest.approx(1.0)
+    plan, one = gpu_stage_plan("demo-gpu-3x").seconds, gpu_stage_plan("demo-gpu").seconds
+    assert one == {k: GPU_STAGE_SECONDS[k] for k in one}  # the measured preset: as measured
+    k = data_scale(r)
+    assert plan["regenerate"] == pytest.approx(134 * k) and plan["extract"] == pytest.approx(62 * k)
+    assert plan["self prompts"] == pytest.approx(46 * 184320 / 49152)
+    assert plan["train"] == pytest.approx(469 + 62 - 62 * k)  # the trainer's time beside the longer extraction
+    assert all(plan[s] == one[s] for s in ("prepare target", "validation data", "eval bfloat16", "eval float32"))
+    assert 18 * 60 < sum(plan.values()) < 22 * 60
+
+
 def test_cli_refuses_a_cpu_only_flag_for_the_gpu_recipe(tmp_path):
     r = subprocess.run([sys.executable, "-m", "dflash", "demo", "--recipe", "gpu", "--train-prompts", "50",
                         "--workdir", str(tmp_path / "w")], cwd=ROOT, capture_output=True, text=True,

@@ -60,7 +60,8 @@ from dflash.core.io import atomic_json
 from dflash.recipes.compare import (DFLASH2_EVAL_FACTOR, LAST_HIDDEN_EXTRACT_FACTOR, compare_run, compare_summary,
                                     dflash2_train_seconds, equal_time_budget)
 from dflash.recipes.coder import CODER_DIR, coder_stage_seconds
-from dflash.recipes.gpu_config import COMPARE_ARCHS, GPU_STAGE_SECONDS, PRESET, load_recipe  # noqa: F401
+from dflash.recipes.gpu_config import (COMPARE_ARCHS, GPU_STAGE_SECONDS, MEASURED_SELF_PROMPTS, PRESET,  # noqa: F401
+                                       data_scale, load_recipe)
 from dflash.recipes.gpu_stages import FollowingTrainer, WorkTime, follower_args, prepare, train_and_eval
 from dflash.recipes.self_prompts import NAME as SELF
 from dflash.recipes.stages import StagePlan, caches_under, now_stamp, read_dict, show_stored, stored_result
@@ -84,6 +85,13 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, co
     budget), plus its first compiled call and its validations."""
     recipe = load_recipe(preset)
     ref = dict(coder_stage_seconds(recipe.coder_model) if recipe.coder_model else GPU_STAGE_SECONDS)
+    if not recipe.coder_model:  # more or fewer samples than the measured preset: the data's stages scale with them
+        scale = data_scale(recipe)
+        trainer = ref["train"] + ref["extract"]  # the trainer ran beside the extraction, then on its own
+        ref["self prompts"] *= recipe.self_prompts / MEASURED_SELF_PROMPTS if SELF in recipe.sources else 1.0
+        for k in ("data", "regenerate", "extract"):
+            ref[k] *= scale
+        ref["train"] = max(trainer - ref["extract"], 0.25 * trainer) if recipe.follow else ref["train"]
     if compare:
         for k in ("extract", "validation data"):
             ref[k] *= LAST_HIDDEN_EXTRACT_FACTOR

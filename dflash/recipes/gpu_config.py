@@ -148,3 +148,17 @@ def load_recipe(preset: str = PRESET) -> GpuRecipe:
 # extraction it ran beside). BENCHMARKS.md, "GPU recipe". What is shown is each stage's share of the whole.
 GPU_STAGE_SECONDS = {"prepare target": 15.0, "self prompts": 46.0, "data": 4.0, "regenerate": 134.0, "extract": 62.0,
                      "validation data": 37.0, "train": 469.0, "eval bfloat16": 46.0, "eval float32": 9.0}
+# What the measured preset sampled: its `self` prompts and self's share of the mix. The first source gives all of its
+# samples and the others their shares of the total, so a preset's training samples scale as self_prompts / self's
+# share (data_scale).
+MEASURED_SELF_PROMPTS, MEASURED_SELF_SHARE = 49152, 0.5
+
+
+def data_scale(recipe: GpuRecipe) -> float:
+    """A GPU preset's training samples against the measured preset's (GPU_STAGE_SECONDS): self_prompts / self's share
+    of the mix, against 49,152 / 0.5; 1.0 for a mix without `self` or with another first source (not estimated)."""
+    names = list(recipe.sources)
+    if not names or names[0] != SELF:
+        return 1.0
+    share = recipe.sources[SELF] / sum(recipe.sources.values())
+    return (recipe.self_prompts / share) / (MEASURED_SELF_PROMPTS / MEASURED_SELF_SHARE)
