@@ -18,6 +18,14 @@ the same held-out prompts (train.eval: tau, n-gram tau, outputs identical to the
     python bench/tau_quant.py --workdir /tmp/tq --responses original --train-prompts 16 --eval-prompts 2 \\
         --steps 3 --eval-max-new-tokens 8 --seq-len 256 --seeds 0,1 --device cpu       # CPU smoke test, ~3 min
 
+With --recipe-workdir W (a GPU recipe's workdir, e.g. work/demo-gpu after `dflash demo`), the recipe's own target,
+regenerated answers and eval prompts (W/data/heldout.jsonl: in-source and MT-Bench), and --preset's extract, train
+and eval sections (--steps overrides its max_steps): each cache gets a validation cache of W/regenerated-valid on
+its basis, and each run reports the held-out decoding tau beside in-source and MT-Bench tau:
+
+    python bench/tau_quant.py --recipe-workdir work/demo-gpu --preset demo-gpu --workdir work/tau-gpu \
+        --hidden-dtypes fp8 --basis-ranks 288 --steps 3000 --device cuda          # the GPU recipe, equal steps
+
 Every stage resumes when rerun (extract and train do; evaluated runs are kept in WORKDIR/tau-quant.json).
 Prints one line per run and a table: tau per run, the bf16 seeds' mean and spread (min..max), and for each
 quantised cache its tau minus the bf16 run of the same seed and whether it lies within the bf16 spread.
@@ -57,6 +65,8 @@ def main(argv=None):
     ap.add_argument("--eval-max-new-tokens", type=int, default=48)
     ap.add_argument("--device", default="auto")
     ap.add_argument("--json", help="also write the results here (default: WORKDIR/tau-quant.json only)")
+    ap.add_argument("--recipe-workdir", help="a GPU recipe's workdir: its target, answers and eval prompts (docstring)")
+    ap.add_argument("--preset", default="demo-gpu", help="with --recipe-workdir: the extract, train and eval settings")
     a = ap.parse_args(argv)
 
     from dflash_cache.inspect import info as cache_info
@@ -69,26 +79,67 @@ def main(argv=None):
     from dflash.train.fit.trainer import TrainConfig, run_train
 
     os.makedirs(a.workdir, exist_ok=True)
-    demo = DemoConfig(workdir=a.workdir, responses=a.responses, train_prompts=a.train_prompts,
-                      eval_prompts=a.eval_prompts, regen_max_new_tokens=a.regen_max_new_tokens, device=a.device,
-                      progress=False)
-    target = convert_gguf(smollm2_gguf(), os.path.join(a.workdir, "target"))
-    train_jsonl, held = prepare_data(demo)
-    data = a.data or (_regenerate(demo, target, train_jsonl) if a.responses == "regenerate" else train_jsonl)
+    recipe = a.recipe_workdir
+    if recipe:  # the GPU recipe's own target, answers and eval prompts; its preset's settings
+        from dflash.core.config import build, read_preset
+
+        target, data = os.path.join(recipe, "target"), a.data or os.path.join(recipe, "regenerated")
+        held = os.path.join(recipe, "data", "heldout.jsonl")
+        valid = os.path.join(recipe, "regenerated-valid")
+        for need in (target, data, held):
+            if not os.path.exists(need):
+                sys.exit(f"tau-quant: --recipe-workdir {recipe}: no {need} (run `dflash demo` there first)")
+        valid = valid if os.path.isdir(valid) else None
+        eval_new = int((read_preset(a.preset, "recipe") or {}).get("eval_max_new_tokens", a.eval_max_new_tokens))
+
+        def extract_cfg(**kw):
+            return build(ExtractConfig, a.preset, "extract", dict(kw, target=target, device=a.device, progress=False))
+
+        def train_cfg(**kw):
+            return build(TrainConfig, a.preset, "train", dict(kw, target=target, device=a.device, progress=False,
+                                                              max_steps=a.steps))
+
+        def eval_cfg(**kw):
+            return build(EvalConfig, a.preset, "eval", dict(kw, target=target, data=held, max_new_tokens=eval_new,
+                                                            device=a.device, progress=False))
+    else:
+        demo = DemoConfig(workdir=a.workdir, responses=a.responses, train_prompts=a.train_prompts,
+                          eval_prompts=a.eval_prompts, regen_max_new_tokens=a.regen_max_new_tokens, device=a.device,
+                          progress=False)
+        target = convert_gguf(smollm2_gguf(), os.path.join(a.workdir, "target"))
+        train_jsonl, held = prepare_data(demo)
+        data = a.data or (_regenerate(demo, target, train_jsonl) if a.responses == "regenerate" else train_jsonl)
+        valid = None
+
+        def extract_cfg(**kw):
+            return ExtractConfig(target=target, seq_len=a.seq_len, device=a.device, progress=False, **kw)
+
+        def train_cfg(**kw):
+            return TrainConfig(target=target, drafter_layers=a.drafter_layers, block_size=a.block_size,
+                               num_anchors=a.num_anchors, batch_rows=a.batch_rows, max_steps=a.steps, lr=a.lr,
+                               warmup_ratio=0.05, log_every=20, save_every=max(20, a.steps), device=a.device,
+                               progress=False, **kw)
+
+        def eval_cfg(**kw):
+            return EvalConfig(target=target, data=held, max_new_tokens=a.eval_max_new_tokens, device=a.device,
+                              progress=False, **kw)
     dtypes = a.hidden_dtypes.split(",")
     seeds = [int(s) for s in a.seeds.split(",")]
     path = os.path.join(a.workdir, "tau-quant.json")
     done = json.load(open(path)) if os.path.exists(path) else {}
-    caches, stored = {}, {}
+    caches, stored, val_caches = {}, {}, {}
     ranks = [int(r) for r in a.basis_ranks.split(",") if r.strip()]
     kinds = dtypes + [f"basis{r}" for r in ranks]  # a kind: a stored dtype, or basisR (the last dtype on rank R)
     for kind in kinds:
         hdt, rank = (dtypes[-1], int(kind[5:])) if kind.startswith("basis") else (kind, 0)
         caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
         t = time.perf_counter()
-        run_extract(ExtractConfig(target=target, data=data, out=caches[kind], seq_len=a.seq_len, device=a.device,
-                                  hidden_dtype=hdt, basis_rank=rank, progress=False))
+        run_extract(extract_cfg(data=data, out=caches[kind], hidden_dtype=hdt, basis_rank=rank))
         stored[kind] = cache_info(caches[kind])["bytes_per_real_token"]
+        if valid:  # the held-out answers on this cache's basis: train's --val-cache
+            val_caches[kind] = os.path.join(a.workdir, f"cache-valid-{kind}")
+            run_extract(extract_cfg(data=valid, out=val_caches[kind], hidden_dtype=hdt, basis_rank=rank,
+                                    basis_from=caches[kind] if rank else None))
         print(f"tau-quant: cache {kind} ready ({time.perf_counter() - t:.0f} s)", flush=True)
     base_kind = kinds[0]
     runs = [(base_kind, s) for s in seeds] + [(k, seeds[0]) for k in kinds[1:]]
@@ -98,18 +149,17 @@ def main(argv=None):
             continue
         out = os.path.join(a.workdir, f"run-{key}")
         t = time.perf_counter()
-        tr = run_train(TrainConfig(cache=caches[hdt], target=target, out=out, drafter_layers=a.drafter_layers,
-                                   block_size=a.block_size, num_anchors=a.num_anchors, batch_rows=a.batch_rows,
-                                   max_steps=a.steps, lr=a.lr, warmup_ratio=0.05, log_every=20,
-                                   save_every=max(20, a.steps), seed=seed, device=a.device, progress=False))
+        tr = run_train(train_cfg(cache=caches[hdt], out=out, seed=seed,
+                                 **({"val_cache": val_caches[hdt]} if hdt in val_caches else {})))
         train_s = time.perf_counter() - t
-        ev = run_eval(EvalConfig(target=target, drafter=os.path.join(out, "final"), data=held,
-                                 max_new_tokens=a.eval_max_new_tokens, device=a.device, progress=False))
+        ev = run_eval(eval_cfg(drafter=os.path.join(out, "final")))
         hist = tr.get("history") or [{}]
+        sets = {name: v["dflash"]["tau"] for name, v in (ev.get("sets") or {}).items()}
         done[key] = {"hidden_dtype": hdt, "seed": seed, "bytes_per_real_token": stored.get(hdt), "tau": ev["dflash"]["tau"], "tau_ngram": ev["ngram"]["tau"],
                      "identical": ev["dflash"]["outputs_identical"], "prompts": ev["prompts"],
                      "final_loss": hist[-1].get("loss"), "train_s": train_s,
-                     "data_wait_frac": tr.get("data_wait_frac"), "steps": tr.get("steps")}
+                     "data_wait_frac": tr.get("data_wait_frac"), "steps": tr.get("steps"),
+                     "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"), "tau_sets": sets}
         with open(path, "w") as f:
             json.dump(done, f, indent=2)
         print("tau-quant:", json.dumps({"run": key, **done[key]}), flush=True)
@@ -122,7 +172,8 @@ def main(argv=None):
                                            else 99, done[k]["seed"])):
         r = done[key]
         row = {"run": key, "tau": r["tau"], "tau_ngram": r["tau_ngram"], "identical": f"{r['identical']}/{r['prompts']}",
-               "final_loss": r["final_loss"], "bytes/token": r.get("bytes_per_real_token")}
+               "final_loss": r["final_loss"], "bytes/token": r.get("bytes_per_real_token"),
+               "held-out tau": r.get("val_tau_decode"), **{f"tau {k}": v for k, v in (r.get("tau_sets") or {}).items()}}
         if r["hidden_dtype"] != base_kind and base is not None:
             row[f"tau - {base_kind} same seed"] = r["tau"] - base["tau"]
             row[f"within {base_kind} spread"] = lo <= r["tau"] <= hi if len(bf) > 1 else None
@@ -131,8 +182,9 @@ def main(argv=None):
 
     print(f"\n{base_kind} over seeds {seeds}: tau mean {sum(bf) / len(bf):.3f}, spread {lo:.3f}..{hi:.3f} "
           f"({hi - lo:.3f})" if bf else f"\nno {base_kind} runs")
+    set_cols = sorted({k for r in rows for k in r if k.startswith("tau ") and not k.startswith("tau - ")})
     print(table(rows, ["run", "tau", f"tau - {base_kind} same seed", f"within {base_kind} spread", "tau_ngram",
-                       "identical", "final_loss", "bytes/token"]))
+                       *(["held-out tau"] if recipe else []), *set_cols, "identical", "final_loss", "bytes/token"]))
     summary = {"args": vars(a), "base": base_kind, "base_tau": bf, "base_spread": [lo, hi], "runs": done}
     if a.json:
         with open(a.json, "w") as f:
