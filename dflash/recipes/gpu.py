@@ -194,7 +194,9 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
              f"x{DFLASH2_EVAL_FACTOR:g}" if arch else
              ("as measured for the 0.5B: " if recipe.coder_model == "0.5b" else
               "estimated from the 0.5B's measured stages: ") + "dflash/recipes/coder.py" if recipe.coder_model
-             else "as measured for the shipped preset")
+             else "as measured for the shipped preset" if data_scale(recipe) == 1.0 else
+             f"estimated: the shipped preset's stages as measured, the data's scaled by its {data_scale(recipe):.2f}x "
+             "the samples")
           + "); the first training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
