@@ -90,8 +90,9 @@ def fit(moment: np.ndarray, rank: int, layer_width: int) -> tuple[np.ndarray, di
     D = m.shape[0]
     if not 1 <= rank <= D:
         raise BasisError(f"basis rank {rank} must lie in [1, {D}] (the features' width K·H)")
-    m = (m + m.T) / 2
-    vals, vecs = np.linalg.eigh(m)  # ascending
+    # eigh reads one triangle: M (a sum of x x^T) needs no symmetrised copy, which at the 8B shape (K*H = 20,480) is
+    # 3.4 GB of the fit's peak host memory (BENCHMARKS.md, "Cache size")
+    vals, vecs = np.linalg.eigh(m, UPLO="L")  # ascending
     top = np.argsort(vals)[::-1][:rank]
     lam, p = np.clip(vals[top], 0.0, None), vecs[:, top].T.copy()  # [R], [R, D]
     idx = np.abs(p).argmax(axis=1)
