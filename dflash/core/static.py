@@ -4,7 +4,7 @@ Qwen3.5 / 3.6 hybrids (Gated DeltaNet + gated full attention). Both have one int
 accept, prepare, move, grow); callers (the slot engine of regenerate and prompts, eval's StaticTarget) ask here.
 
     why = unsupported(model)                    # None, or why neither runs it (the caller keeps the HF forward)
-    why = graphs_unsupported(model)             # or "not on a CUDA device": None where --target-graph's default is on
+    why = graphs_unsupported(model, flag)       # or "--no-target-graph", "not on a CUDA device": None = CUDA graphs
     dec = static_decoder(model, slots=.., max_len=.., ...)
 
 The hybrid decoder equals the HF forward in float32 on a CPU (tests/test_hybrid_static.py), with graphs off, and its
@@ -38,9 +38,12 @@ def static_decoder(model, **kwargs) -> StaticDecoder:
     return (HybridDecoder if _hybrid(model) else StaticDecoder)(model, **kwargs)
 
 
-def graphs_unsupported(model) -> str | None:
-    """None when `model` decodes in CUDA graphs here (--target-graph's default: on a CUDA device, where a static
-    decoder runs it), else why not (in words)."""
+def graphs_unsupported(model, target_graph: bool | None = None) -> str | None:
+    """None when `model` decodes in CUDA graphs here under --target-graph=target_graph (None: its default, on a CUDA
+    device where a static decoder runs it), else why not (in words): "--no-target-graph", "not on a CUDA device", or
+    what no static decoder runs."""
+    if target_graph is False:
+        return "--no-target-graph"
     if next(model.parameters()).device.type != "cuda":
         return "not on a CUDA device"
     return unsupported(model)

@@ -38,6 +38,7 @@ which gives ~19 min for the 1.5b from nothing, the target's transfer to a machin
 
 from __future__ import annotations
 
+from dflash.core.config import read_preset
 from dflash.recipes.gpu_config import CODER_MODELS
 
 # the recipe's presets by --coder-model
@@ -59,8 +60,6 @@ def coder_stage_seconds(model: str) -> dict[str, float]:
     """The coder recipe's expected seconds per stage for `model` (0.5b, 1.5b): the 0.5b's measured stages, its
     training scaled by the preset's steps (MEASURED_STEPS), times LARGER for the 1.5b. The training follows the
     extraction, so "train" is what is left after it."""
-    from dflash.core.config import read_preset
-
     if model not in PRESETS:
         known = ", ".join(m for m in CODER_MODELS if m)
         raise ValueError(f"coder_model: {model!r} is not a coder model (known: {known})")

@@ -117,6 +117,20 @@ def gpu_stage_plan(preset: str = PRESET, train_overrides: dict | None = None, co
     return StagePlan(secs)
 
 
+def plan_source(recipe, compare: str) -> str:
+    """Where gpu_stage_plan's seconds come from, for the demo's first line."""
+    if compare:
+        return (f"estimated: the {compare} stages from DFlash's, training for DFlash's training time, eval "
+                f"x{DFLASH2_EVAL_FACTOR:g}")
+    if recipe.coder_model:
+        return ("as measured for the 0.5B: " if recipe.coder_model == "0.5b" else
+                "estimated from the 0.5B's measured stages: ") + "dflash/recipes/coder.py"
+    scale = data_scale(recipe)
+    if scale == 1.0:
+        return "as measured for the shipped preset"
+    return f"estimated: the shipped preset's stages as measured, the data's scaled by its {scale:.2f}x the samples"
+
+
 def check_caches(workdir: str, last_hidden: bool) -> None:
     """A workdir whose caches were extracted for the other mode (a comparison's hold the target's last hidden state, the
     recipe's do not) is one error line before any stage, rather than the extraction's mismatch."""
@@ -189,15 +203,7 @@ def run_gpu_demo(workdir: str, preset: str = PRESET, device: str = "auto", progr
     what = f"the GPU recipe ({preset})" + (f", a {arch} drafter compared with the DFlash one," if arch else "")
     measured_on = "H100" if recipe.coder_model else "H200"  # where the plan's stages were measured
     print(f"demo: {what} in {len(plan.seconds)} stages, about {sum(plan.seconds.values()) / 60:.0f} min on one "
-          f"{measured_on} ("
-          + (f"estimated: the {arch} stages from DFlash's, training for DFlash's training time, eval "
-             f"x{DFLASH2_EVAL_FACTOR:g}" if arch else
-             ("as measured for the 0.5B: " if recipe.coder_model == "0.5b" else
-              "estimated from the 0.5B's measured stages: ") + "dflash/recipes/coder.py" if recipe.coder_model
-             else "as measured for the shipped preset" if data_scale(recipe) == 1.0 else
-             f"estimated: the shipped preset's stages as measured, the data's scaled by its {data_scale(recipe):.2f}x "
-             "the samples")
-          + "); the first training steps compile the step (~40 s)", flush=True)
+          f"{measured_on} ({plan_source(recipe, arch)}); the first training steps compile the step (~40 s)", flush=True)
     t0 = time.perf_counter()
     timings: dict[str, float] = {}
     clock = WorkTime(workdir, timings)

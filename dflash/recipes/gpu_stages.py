@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from dflash.core.config import ConfigError, build, read_preset
-from dflash.core.io import atomic_json
+from dflash.core.io import atomic_json, atomic_write
 from dflash.recipes.assets import smollm2_gguf
 from dflash.recipes.gpu_config import PRESET, load_recipe
 from dflash.recipes.mix import prepare_data
@@ -211,7 +211,7 @@ def shared_basis(workdir: str, preset: str, target: str, regen_out: str, device:
 
     def samples():
         for part in parts:
-            with open(part) as f:
+            with open(part, encoding="utf-8") as f:
                 yield from (line.rstrip("\n") + "\n" for line in f if line.strip())
 
     total = sum(1 for _ in samples())
@@ -220,13 +220,10 @@ def shared_basis(workdir: str, preset: str, target: str, regen_out: str, device:
     data = os.path.join(workdir, "data", "basis-fit.jsonl")
     old = None
     if os.path.exists(data):
-        with open(data) as f:
+        with open(data, encoding="utf-8") as f:
             old = f.read()
     if old != chosen:  # a rerun finds the same file and resumes the cache it made
-        tmp = data + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(chosen)
-        os.replace(tmp, data)
+        atomic_write(data, chosen)
     out = os.path.join(workdir, "cache-basis")
     print(f"demo-gpu: the caches' basis (rank {section['basis_rank']}): fitted on {chosen.count(chr(10))} of the "
           f"{total} regenerated samples (one in {step}) -> {out}", flush=True)

@@ -100,7 +100,7 @@ class Sampler:
         from dflash.core.static import graphs_unsupported
         from dflash.core.target import TargetError
 
-        why = graphs_unsupported(self.model) if target_graph is not False else "--no-target-graph"
+        why = graphs_unsupported(self.model, target_graph)
         if target_graph and why is not None:
             raise TargetError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
         self.graphs = why is None  # False: the eager engine

@@ -363,7 +363,7 @@ def _read_parts(cfg, todo, ds, chat) -> dict[int, dict]:
 def _engine(cfg, model, hf_cfg, dtype, batch, max_tokens, prefill, eos, pad, follow):
     """The slot engine (the decode step in CUDA graphs over a static KV cache) where the GPU and the model allow
     it and --target-graph is not off, else the eager Engine; --target-graph on where it cannot is an error."""
-    why = graphs_unsupported(model) if cfg.target_graph is not False else "--no-target-graph"
+    why = graphs_unsupported(model, cfg.target_graph)
     plan = plan_slots(hf_cfg, dtype, batch, max_tokens) if why is None else None
     if why is None and plan is None:
         why = f"a KV budget of {max_tokens} tokens holds too few positions per row"

@@ -313,10 +313,10 @@ def static_target(cfg: EvalConfig, model, layer_ids: list[int], max_len: int, bl
     model can; None for the HF forward. --target-graph on where it cannot is an error naming why."""
     from dflash.core.static import graphs_unsupported
 
-    why = graphs_unsupported(model)
+    why = graphs_unsupported(model, cfg.target_graph)
     if cfg.target_graph and why is not None:
         raise DrafterError(f"--target-graph: the target cannot decode in CUDA graphs here ({why})")
-    if cfg.target_graph is False or why is not None:
+    if why is not None:
         return None
     return StaticTarget(model, layer_ids, max_len=max_len, block_size=block_size)
 
@@ -358,8 +358,8 @@ def _run_eval(cfg: EvalConfig) -> dict[str, Any]:
     if not isinstance(target, StaticTarget) and target.by_kind:  # decode_state's cache, rolled back per layer kind
         from dflash.core.static import graphs_unsupported
 
-        why = "--no-target-graph" if cfg.target_graph is False else graphs_unsupported(model)
-        print(f"eval: {eager_reason(model)}: the eager decoder (no CUDA graphs: {why})", flush=True)
+        print(f"eval: {eager_reason(model)}: the eager decoder (no CUDA graphs: "
+              f"{graphs_unsupported(model, cfg.target_graph)})", flush=True)
     dflash = (DFlash2Proposer if isinstance(drafter, DFlash2Drafter) else DFlashProposer)(drafter, max_len, graph=graph)
     props = [NoDraft(), dflash] + ([NgramProposer(B, cfg.ngram_max)] if cfg.ngram else [])
     names = [p.name for p in props]
