@@ -192,20 +192,23 @@ BASIS_SAMPLES = 2048  # training samples, spread evenly over the regenerated ans
 
 
 def shared_basis(workdir: str, preset: str, target: str, regen_out: str, device: str, progress: bool,
-                 tok: dict) -> str | None:
+                 tok: dict, rank: int | None = None, out: str | None = None, data: str | None = None) -> str | None:
     """With `extract: basis_rank: R` in the preset: WORKDIR/cache-basis, a cache of every k-th regenerated training
-    sample (BASIS_SAMPLES of them, spread over the mix's sources) extracted with --basis-rank R, whose basis the
-    validation cache and the main cache are then extracted on (--basis-from), so that they share one P whichever is
-    extracted first (the validation cache is, when the trainer follows the main extraction). None without a basis.
-    Deterministic; resumed as any extraction is."""
+    sample (BASIS_SAMPLES of them, spread over the mix's sources, written to WORKDIR/data/basis-fit.jsonl) extracted
+    with --basis-rank R, whose basis the validation cache and the main cache are then extracted on (--basis-from), so
+    that they share one P whichever is extracted first (the validation cache is, when the trainer follows the main
+    extraction). None without a basis. Deterministic; resumed as any extraction is. rank, out and data: a basis of
+    rank R the preset does not ask for, its cache and its samples' file (bench/tau_quant.py: one fit per rank)."""
     from dflash.extract.run import ExtractConfig, run_extract
 
-    section = read_preset(preset, "extract")
-    if not section.get("basis_rank"):
-        return None
-    if section.get("basis_from"):
-        raise ConfigError(f"preset {preset}: extract: basis_from is set by the recipe when basis_rank is (its caches "
-                          "share one basis fitted on the training answers): leave it out")
+    if rank is None:
+        section = read_preset(preset, "extract")
+        if not section.get("basis_rank"):
+            return None
+        if section.get("basis_from"):
+            raise ConfigError(f"preset {preset}: extract: basis_from is set by the recipe when basis_rank is (its "
+                              "caches share one basis fitted on the training answers): leave it out")
+        rank = section["basis_rank"]
     parts = [os.path.join(regen_out, "data", n) for n in sorted(os.listdir(os.path.join(regen_out, "data")))
              if n.endswith(".jsonl")]
 
@@ -217,19 +220,19 @@ def shared_basis(workdir: str, preset: str, target: str, regen_out: str, device:
     total = sum(1 for _ in samples())
     step = max(1, total // BASIS_SAMPLES)
     chosen = "".join(line for i, line in enumerate(samples()) if i % step == 0 and i // step < BASIS_SAMPLES)
-    data = os.path.join(workdir, "data", "basis-fit.jsonl")
+    data = data or os.path.join(workdir, "data", "basis-fit.jsonl")
     old = None
     if os.path.exists(data):
         with open(data, encoding="utf-8") as f:
             old = f.read()
     if old != chosen:  # a rerun finds the same file and resumes the cache it made
         atomic_write(data, chosen)
-    out = os.path.join(workdir, "cache-basis")
-    print(f"demo-gpu: the caches' basis (rank {section['basis_rank']}): fitted on {chosen.count(chr(10))} of the "
+    out = out or os.path.join(workdir, "cache-basis")
+    print(f"demo-gpu: the caches' basis (rank {rank}): fitted on {chosen.count(chr(10))} of the "
           f"{total} regenerated samples (one in {step}) -> {out}", flush=True)
     mine = {k: v for k, v in tok.items() if k != "last_hidden"}  # the basis is the context features' alone
     run_extract(build(ExtractConfig, preset, "extract", {"target": target, "data": data, "out": out, "device": device,
-                                                         "progress": progress, **mine}))
+                                                         "progress": progress, "basis_rank": rank, **mine}))
     return out
 
 
