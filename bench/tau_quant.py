@@ -18,12 +18,13 @@ the same held-out prompts (train.eval: tau, n-gram tau, outputs identical to the
     python bench/tau_quant.py --workdir /tmp/tq --responses original --train-prompts 16 --eval-prompts 2 \\
         --steps 3 --eval-max-new-tokens 8 --seq-len 256 --seeds 0,1 --device cpu       # CPU smoke test, ~3 min
 
-With --recipe-workdir W (a GPU recipe's workdir, e.g. work/demo-gpu after `dflash demo`), the recipe's own target,
-regenerated answers and eval prompts (W/data/heldout.jsonl: in-source and MT-Bench), and --preset's extract, train
-and eval sections (--steps overrides its max_steps): each cache gets a validation cache of W/regenerated-valid on
-its basis, and each run reports the held-out decoding tau beside in-source and MT-Bench tau:
+With --recipe-workdir W (a GPU recipe's workdir, e.g. work/demo-gpu after `dflash demo`, or made here by --prepare:
+the recipe's stages up to its caches, no training), the recipe's own target, regenerated answers and eval prompts
+(W/data/heldout.jsonl: in-source and MT-Bench), and --preset's extract, train and eval settings (--steps overrides
+its max_steps): each cache gets a validation cache of W/regenerated-valid on its basis, and each run reports the
+held-out decoding tau beside in-source and MT-Bench tau:
 
-    python bench/tau_quant.py --recipe-workdir work/demo-gpu --preset demo-gpu --workdir work/tau-gpu \
+    python bench/tau_quant.py --recipe-workdir work/demo-gpu --prepare --preset demo-gpu --workdir work/tau-gpu \\
         --hidden-dtypes fp8 --basis-ranks 288 --steps 3000 --device cuda          # the GPU recipe, equal steps
 
 Every stage resumes when rerun (extract and train do; evaluated runs are kept in WORKDIR/tau-quant.json).
@@ -40,6 +41,17 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def complete_cache(path: str):
+    """The cache at path, open, when it is complete (every shard committed: not one still being written); else None."""
+    import dflash_cache
+
+    try:
+        cache = dflash_cache.open(path, allow_incomplete=True)
+    except dflash_cache.CacheError:
+        return None
+    return cache if cache.complete else None
 
 
 def main(argv=None):
@@ -67,7 +79,11 @@ def main(argv=None):
     ap.add_argument("--json", help="also write the results here (default: WORKDIR/tau-quant.json only)")
     ap.add_argument("--recipe-workdir", help="a GPU recipe's workdir: its target, answers and eval prompts (docstring)")
     ap.add_argument("--preset", default="demo-gpu", help="with --recipe-workdir: the extract, train and eval settings")
+    ap.add_argument("--prepare", action="store_true", help="with --recipe-workdir: make the recipe's data and caches "
+                    "there first when they are not all there (the recipe's stages up to its extraction; no training)")
     a = ap.parse_args(argv)
+    if a.prepare and not a.recipe_workdir:
+        ap.error("--prepare makes a GPU recipe's data: it needs --recipe-workdir")
 
     from dflash_cache.inspect import info as cache_info
     from dflash.recipes.assets import smollm2_gguf
@@ -82,13 +98,24 @@ def main(argv=None):
     recipe = a.recipe_workdir
     if recipe:  # the GPU recipe's own target, answers and eval prompts; its preset's settings
         from dflash.core.config import build, read_preset
+        from dflash.recipes.gpu_config import load_recipe
 
         target, data = os.path.join(recipe, "target"), a.data or os.path.join(recipe, "regenerated")
         held = os.path.join(recipe, "data", "heldout.jsonl")
         valid = os.path.join(recipe, "regenerated-valid")
-        for need in (target, data, held):
+        needs = (target, data, held)
+        if a.prepare and not (all(map(os.path.exists, needs)) and complete_cache(os.path.join(recipe, "cache"))
+                              and (not load_recipe(a.preset).validation
+                                   or complete_cache(os.path.join(recipe, "cache-valid")))):  # else all there
+            from dflash.recipes.gpu_stages import prepare
+
+            print(f"tau-quant: preparing {recipe}: the recipe's target, data, regenerated answers and caches "
+                  "(resumed; no training)", flush=True)
+            prepare(recipe, a.preset, a.device, progress=False)
+        for need in needs:
             if not os.path.exists(need):
-                sys.exit(f"tau-quant: --recipe-workdir {recipe}: no {need} (run `dflash demo` there first)")
+                sys.exit(f"tau-quant: --recipe-workdir {recipe}: no {need} (run `dflash demo` there first, or pass "
+                         "--prepare)")
         valid = valid if os.path.isdir(valid) else None
         eval_new = int((read_preset(a.preset, "recipe") or {}).get("eval_max_new_tokens", a.eval_max_new_tokens))
 
