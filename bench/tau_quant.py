@@ -27,9 +27,14 @@ held-out decoding tau beside in-source and MT-Bench tau:
     python bench/tau_quant.py --recipe-workdir work/demo-gpu --prepare --preset demo-gpu --workdir work/tau-gpu \\
         --hidden-dtypes fp8 --basis-ranks 288 --steps 3000 --device cuda          # the GPU recipe, equal steps
 
-Every stage resumes when rerun (extract and train do; evaluated runs are kept in WORKDIR/tau-quant.json).
-Prints one line per run and a table: tau per run, the bf16 seeds' mean and spread (min..max), and for each
-quantised cache its tau minus the bf16 run of the same seed and whether it lies within the bf16 spread.
+Each kind's cache is extracted just before its first run, and the runs go in this order: the base kind's first seed,
+the first other kind, the base kind's other seeds, the other kinds; so a run cut short already has the first
+comparison, then the spread.
+
+Every stage resumes when rerun (extract and train do; evaluated runs are kept in WORKDIR/tau-quant.json, rewritten
+after each run, and not run again). Prints one line per run as it ends (`tau-quant: {...}`) and a table: tau per
+run, the bf16 seeds' mean and spread (min..max), and for each quantised cache its tau minus the bf16 run of the same
+seed and whether it lies within the bf16 spread.
 """
 
 from __future__ import annotations
@@ -157,23 +162,32 @@ def main(argv=None):
     caches, stored, val_caches = {}, {}, {}
     ranks = [int(r) for r in a.basis_ranks.split(",") if r.strip()]
     kinds = dtypes + [f"basis{r}" for r in ranks]  # a kind: a stored dtype, or basisR (the last dtype on rank R)
-    for kind in kinds:
+    base_kind = kinds[0]
+
+    def ready(kind):
+        """Extract the kind's cache and its validation cache (resumed): just before its first run."""
+        if kind in caches:
+            return
         hdt, rank = (dtypes[-1], int(kind[5:])) if kind.startswith("basis") else (kind, 0)
-        caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
         t = time.perf_counter()
+        caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
         run_extract(extract_cfg(data=data, out=caches[kind], hidden_dtype=hdt, basis_rank=rank))
-        stored[kind] = cache_info(caches[kind])["bytes_per_real_token"]
         if valid:  # the held-out answers on this cache's basis: train's --val-cache
             val_caches[kind] = os.path.join(a.workdir, f"cache-valid-{kind}")
             run_extract(extract_cfg(data=valid, out=val_caches[kind], hidden_dtype=hdt, basis_rank=rank,
                                     basis_from=caches[kind] if rank else None))
+        stored[kind] = cache_info(caches[kind])["bytes_per_real_token"]
         print(f"tau-quant: cache {kind} ready ({time.perf_counter() - t:.0f} s)", flush=True)
-    base_kind = kinds[0]
-    runs = [(base_kind, s) for s in seeds] + [(k, seeds[0]) for k in kinds[1:]]
+
+    # the base kind's first seed, then the first other kind (the spread's anchor and the first comparison come
+    # first: a run cut short has both), then the base kind's other seeds, then the other kinds
+    others = [(k, seeds[0]) for k in kinds[1:]]
+    runs = [(base_kind, seeds[0]), *others[:1], *[(base_kind, s) for s in seeds[1:]], *others[1:]]
     for hdt, seed in runs:
         key = f"{hdt}-seed{seed}"
         if key in done:
             continue
+        ready(hdt)
         out = os.path.join(a.workdir, f"run-{key}")
         t = time.perf_counter()
         tr = run_train(train_cfg(cache=caches[hdt], out=out, seed=seed,

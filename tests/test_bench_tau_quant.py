@@ -4,12 +4,14 @@ settings: the command BENCHMARKS.md "Cache size" names for the GPU recipe, run h
 
   * --prepare makes the recipe's data and caches first (no training); without it a workdir lacking them is one
     error naming --prepare.
-  * A rerun redoes nothing.
+  * Each kind's cache is made just before its first run; the runs go base seed 0, the first other kind, the base's
+    other seeds, the other kinds; the table keeps kind then seed; a rerun redoes nothing.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -27,7 +29,12 @@ def tiny_recipe(tmp_path):
     return preset, work
 
 
-def test_tau_quant_prepares_a_recipe_workdir_and_runs_each_cache(tmp_path, capsys):
+def run_lines(out: str) -> list[str]:
+    """The runs of the `tau-quant: {...}` lines, in the order they ended."""
+    return [json.loads(m)["run"] for m in re.findall(r"^tau-quant: (\{.*\})$", out, re.M)]
+
+
+def test_tau_quant_prepares_a_recipe_and_runs_in_order(tmp_path, capsys):
     import dflash_cache
 
     preset, work = tiny_recipe(tmp_path)
@@ -56,13 +63,20 @@ def test_tau_quant_prepares_a_recipe_workdir_and_runs_each_cache(tmp_path, capsy
                 for n in (f"cache-basis{R}", f"cache-valid-basis{R}")}
         assert {r["rank"] for r in recs.values()} == {R} and len({r["digest"] for r in recs.values()}) == 1
 
+    # runs in order, each cache made just before its kind's first run; the table by kind then seed
+    assert run_lines(printed) == ["fp8-seed0", "basis12-seed0", "fp8-seed1", "basis8-seed0"]
+    at = {k: printed.index(f'"run": "{k}"') for k in runs}
+    assert at["fp8-seed0"] < printed.index("tau-quant: cache basis12 ready") < at["basis12-seed0"]
+    assert at["fp8-seed1"] < printed.index("tau-quant: cache basis8 ready") < at["basis8-seed0"]
     table = printed[printed.index("| run"):]
+    assert [table.index(f"| {k} ") for k in ("fp8-seed0", "fp8-seed1", "basis12-seed0", "basis8-seed0")] == sorted(
+        table.index(f"| {k} ") for k in runs)
     assert "| held-out tau |" in table and "| tau in-source |" in table
 
-    # a rerun resumes: no run again, nothing prepared again
+    # a rerun resumes: no run again, no cache made or checked again, nothing prepared again
     tau_quant.main(args)
     again = capsys.readouterr().out
-    assert "tau-quant: {" not in again and "preparing" not in again
+    assert again.lstrip().startswith("fp8 over seeds [0, 1]: tau mean")  # nothing before the summary
     assert json.loads(out.read_text())["runs"] == runs
 
 
