@@ -22,7 +22,9 @@ With --recipe-workdir W (a GPU recipe's workdir, e.g. work/demo-gpu after `dflas
 the recipe's stages up to its caches, no training), the recipe's own target, regenerated answers and eval prompts
 (W/data/heldout.jsonl: in-source and MT-Bench), and --preset's extract, train and eval settings (--steps overrides
 its max_steps): each cache gets a validation cache of W/regenerated-valid on its basis, and each run reports the
-held-out decoding tau beside in-source and MT-Bench tau:
+held-out decoding tau beside in-source and MT-Bench tau. The base kind (the first of --hidden-dtypes) trains from the
+recipe's own W/cache and W/cache-valid when they are complete caches in that dtype, not on a basis (the GPU recipe's
+fp8 cache is ~42 GB: a second copy would not fit a 64 GB disk):
 
     python bench/tau_quant.py --recipe-workdir work/demo-gpu --prepare --preset demo-gpu --workdir work/tau-gpu \\
         --hidden-dtypes fp8 --basis-ranks 288 --steps 3000 --device cuda          # the GPU recipe, equal steps
@@ -57,6 +59,15 @@ def complete_cache(path: str):
     except dflash_cache.CacheError:
         return None
     return cache if cache.complete else None
+
+
+def reusable(path: str, hidden_dtype: str) -> bool:
+    """Whether path holds a complete cache in hidden_dtype (bf16, fp8, fp4) with the context features as they are
+    (not on a basis): what a run of that kind would otherwise extract again."""
+    from dflash_cache.quant import CLI_NAMES
+
+    cache = complete_cache(path)
+    return cache is not None and not cache.spec.basis and cache.spec.hidden_dtype == CLI_NAMES.get(hidden_dtype)
 
 
 def main(argv=None):
@@ -164,15 +175,37 @@ def main(argv=None):
     kinds = dtypes + [f"basis{r}" for r in ranks]  # a kind: a stored dtype, or basisR (the last dtype on rank R)
     base_kind = kinds[0]
 
+    def recipe_caches(kind, hdt):
+        """The recipe's own W/cache and W/cache-valid for the base kind, when W/cache is a complete cache of the
+        same answers in this hidden dtype, its features as they are (no basis): (cache, validation cache or None).
+        W/cache-valid is used when it is such a cache too. None: extract this kind's own caches."""
+        if not recipe or kind != base_kind:
+            return None
+        if os.path.abspath(data) != os.path.abspath(os.path.join(recipe, "regenerated")):
+            return None  # --data: other answers than the recipe's cache holds
+        main_cache, val_cache = os.path.join(recipe, "cache"), os.path.join(recipe, "cache-valid")
+        if not reusable(main_cache, hdt):
+            return None
+        return main_cache, val_cache if valid and reusable(val_cache, hdt) else None
+
     def ready(kind):
-        """Extract the kind's cache and its validation cache (resumed): just before its first run."""
+        """Extract the kind's cache and its validation cache (resumed), or take the recipe's: just before its first
+        run."""
         if kind in caches:
             return
         hdt, rank = (dtypes[-1], int(kind[5:])) if kind.startswith("basis") else (kind, 0)
         t = time.perf_counter()
-        caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
-        run_extract(extract_cfg(data=data, out=caches[kind], hidden_dtype=hdt, basis_rank=rank))
-        if valid:  # the held-out answers on this cache's basis: train's --val-cache
+        reused = recipe_caches(kind, hdt)
+        if reused:
+            caches[kind], val = reused
+            print(f"tau-quant: cache {kind}: reusing the recipe's {caches[kind]}"
+                  + (f" and {val}" if val else ""), flush=True)
+            if val:
+                val_caches[kind] = val
+        else:
+            caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
+            run_extract(extract_cfg(data=data, out=caches[kind], hidden_dtype=hdt, basis_rank=rank))
+        if valid and kind not in val_caches:  # the held-out answers on this cache's basis: train's --val-cache
             val_caches[kind] = os.path.join(a.workdir, f"cache-valid-{kind}")
             run_extract(extract_cfg(data=valid, out=val_caches[kind], hidden_dtype=hdt, basis_rank=rank,
                                     basis_from=caches[kind] if rank else None))

@@ -4,6 +4,8 @@ settings: the command BENCHMARKS.md "Cache size" names for the GPU recipe, run h
 
   * --prepare makes the recipe's data and caches first (no training); without it a workdir lacking them is one
     error naming --prepare.
+  * The base kind trains from the recipe's own W/cache and W/cache-valid when W/cache is a complete cache in its
+    hidden dtype and not on a basis; a cache of another dtype, on a basis or not complete is not reused.
   * Each kind's cache is made just before its first run; the runs go base seed 0, the first other kind, the base's
     other seeds, the other kinds; the table keeps kind then seed; a rerun redoes nothing.
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 
 import pytest
 
@@ -34,7 +37,7 @@ def run_lines(out: str) -> list[str]:
     return [json.loads(m)["run"] for m in re.findall(r"^tau-quant: (\{.*\})$", out, re.M)]
 
 
-def test_tau_quant_prepares_a_recipe_and_runs_in_order(tmp_path, capsys):
+def test_tau_quant_prepares_a_recipe_and_reuses_its_cache(tmp_path, capsys):
     import dflash_cache
 
     preset, work = tiny_recipe(tmp_path)
@@ -58,6 +61,12 @@ def test_tau_quant_prepares_a_recipe_and_runs_in_order(tmp_path, capsys):
     assert "tau-quant: preparing" in printed and not (work / "run").exists()  # the recipe's stages, no training
     assert all((work / n).is_dir() for n in ("cache", "cache-valid", "regenerated", "regenerated-valid"))
 
+    # the base kind is the recipe's own fp8 caches: none extracted again
+    assert f"tau-quant: cache fp8: reusing the recipe's {work / 'cache'} and {work / 'cache-valid'}" in printed
+    assert not (tq / "cache-fp8").exists() and not (tq / "cache-valid-fp8").exists()
+    assert runs["fp8-seed0"]["bytes_per_real_token"] == dflash_cache.inspect.info(str(work / "cache"))[
+        "bytes_per_real_token"]
+
     for R in (12, 8):
         recs = {n: dflash_cache.open(str(tq / n)).metadata["basis"]
                 for n in (f"cache-basis{R}", f"cache-valid-basis{R}")}
@@ -80,7 +89,26 @@ def test_tau_quant_prepares_a_recipe_and_runs_in_order(tmp_path, capsys):
     assert json.loads(out.read_text())["runs"] == runs
 
 
-def test_tau_quant_on_a_recipe_workdir_without_its_data_names_prepare(tmp_path):
+def test_tau_quant_reuses_only_a_complete_recipe_cache_of_its_dtype_off_a_basis(tmp_path, capsys):
+    from dflash.extract.run import ExtractConfig, run_extract
+
     preset, work = tiny_recipe(tmp_path)
     with pytest.raises(SystemExit, match="run `dflash demo` there first, or pass --prepare"):
         tau_quant.main(["--recipe-workdir", str(work), "--preset", str(preset), "--workdir", str(tmp_path / "x")])
+    tq = tmp_path / "tq"
+    tau_quant.main(["--recipe-workdir", str(work), "--prepare", "--preset", str(preset), "--workdir", str(tq),
+                    "--hidden-dtypes", "bf16", "--seeds", "0", "--steps", "2", "--device", "cpu"])
+    assert "reusing" not in capsys.readouterr().out  # W/cache is fp8: a bf16 base extracts its own
+    assert (tq / "cache-bf16").is_dir() and (tq / "cache-valid-bf16").is_dir()
+
+    assert tau_quant.reusable(str(work / "cache"), "fp8") and tau_quant.reusable(str(work / "cache-valid"), "fp8")
+    assert not tau_quant.reusable(str(work / "cache"), "bf16") and not tau_quant.reusable(str(tq / "none"), "fp8")
+    on_basis = tmp_path / "on-basis"
+    run_extract(ExtractConfig(target=str(work / "target"), data=str(work / "regenerated-valid"), out=str(on_basis),
+                              seq_len=256, hidden_dtype="fp8", basis_rank=8, num_context_layers=3, device="cpu",
+                              progress=False))
+    assert not tau_quant.reusable(str(on_basis), "fp8")  # complete, fp8, but on a basis
+    partial = tmp_path / "partial"
+    shutil.copytree(work / "cache-valid", partial)
+    (partial / "shards" / "000000" / "zarr.json").unlink()  # a shard not committed (yet)
+    assert not tau_quant.reusable(str(partial), "fp8") and tau_quant.complete_cache(str(partial)) is None
