@@ -24,10 +24,13 @@ the recipe's stages up to its caches, no training), the recipe's own target, reg
 its max_steps): each cache gets a validation cache of W/regenerated-valid on its basis, and each run reports the
 held-out decoding tau beside in-source and MT-Bench tau. The base kind (the first of --hidden-dtypes) trains from the
 recipe's own W/cache and W/cache-valid when they are complete caches in that dtype, not on a basis (the GPU recipe's
-fp8 cache is ~42 GB: a second copy would not fit a 64 GB disk):
+fp8 cache is ~42 GB: a second copy would not fit a 64 GB disk). A basisR cache is on a basis fitted as the recipe
+fits its own (gpu_stages.shared_basis: rank R on BASIS_SAMPLES training samples spread over the regenerated answers,
+WORKDIR/cache-basisR-fit), the main and validation caches extracted on it. The whole GPU comparison, from nothing,
+in one command, meant for one H100 or H200 and its 64 GB disk in about 25 min of GPU (3,000 steps a run):
 
     python bench/tau_quant.py --recipe-workdir work/demo-gpu --prepare --preset demo-gpu --workdir work/tau-gpu \\
-        --hidden-dtypes fp8 --basis-ranks 288 --steps 3000 --device cuda          # the GPU recipe, equal steps
+        --hidden-dtypes fp8 --basis-ranks 288,576 --steps 3000 --device cuda
 
 Each kind's cache is extracted just before its first run, and the runs go in this order: the base kind's first seed,
 the first other kind, the base kind's other seeds, the other kinds; so a run cut short already has the first
@@ -190,7 +193,8 @@ def main(argv=None):
 
     def ready(kind):
         """Extract the kind's cache and its validation cache (resumed), or take the recipe's: just before its first
-        run."""
+        run. In recipe mode a basisR cache is on a basis fitted as the recipe fits its own (gpu_stages.shared_basis:
+        BASIS_SAMPLES training samples spread over the regenerated answers, WORKDIR/cache-basisR-fit)."""
         if kind in caches:
             return
         hdt, rank = (dtypes[-1], int(kind[5:])) if kind.startswith("basis") else (kind, 0)
@@ -204,7 +208,14 @@ def main(argv=None):
                 val_caches[kind] = val
         else:
             caches[kind] = os.path.join(a.workdir, f"cache-{kind}")
-            run_extract(extract_cfg(data=data, out=caches[kind], hidden_dtype=hdt, basis_rank=rank))
+            fit = None
+            if rank and recipe:
+                from dflash.recipes.gpu_stages import shared_basis
+
+                fit = shared_basis(a.workdir, a.preset, target, data, a.device, False, {"hidden_dtype": hdt},
+                                   rank=rank, out=caches[kind] + "-fit",
+                                   data=os.path.join(a.workdir, "basis-fit.jsonl"))
+            run_extract(extract_cfg(data=data, out=caches[kind], hidden_dtype=hdt, basis_rank=rank, basis_from=fit))
         if valid and kind not in val_caches:  # the held-out answers on this cache's basis: train's --val-cache
             val_caches[kind] = os.path.join(a.workdir, f"cache-valid-{kind}")
             run_extract(extract_cfg(data=valid, out=val_caches[kind], hidden_dtype=hdt, basis_rank=rank,

@@ -6,6 +6,8 @@ settings: the command BENCHMARKS.md "Cache size" names for the GPU recipe, run h
     error naming --prepare.
   * The base kind trains from the recipe's own W/cache and W/cache-valid when W/cache is a complete cache in its
     hidden dtype and not on a basis; a cache of another dtype, on a basis or not complete is not reused.
+  * A basisR cache is on a basis fitted as the recipe fits its own: on the regenerated samples spread over the
+    answers (gpu_stages.shared_basis), WORKDIR/cache-basisR-fit, the main and validation caches on its basis.
   * Each kind's cache is made just before its first run; the runs go base seed 0, the first other kind, the base's
     other seeds, the other kinds; the table keeps kind then seed; a rerun redoes nothing.
 """
@@ -37,8 +39,11 @@ def run_lines(out: str) -> list[str]:
     return [json.loads(m)["run"] for m in re.findall(r"^tau-quant: (\{.*\})$", out, re.M)]
 
 
-def test_tau_quant_prepares_a_recipe_and_reuses_its_cache(tmp_path, capsys):
+def test_tau_quant_prepares_a_recipe_reuses_its_cache_and_fits_bases_as_it_does(tmp_path, capsys, monkeypatch):
     import dflash_cache
+    from dflash.recipes import gpu_stages
+
+    monkeypatch.setattr(gpu_stages, "BASIS_SAMPLES", 10)  # fewer than the tiny recipe's samples: a spread of them
 
     preset, work = tiny_recipe(tmp_path)
     tq, out = tmp_path / "tq", tmp_path / "out.json"
@@ -67,9 +72,16 @@ def test_tau_quant_prepares_a_recipe_and_reuses_its_cache(tmp_path, capsys):
     assert runs["fp8-seed0"]["bytes_per_real_token"] == dflash_cache.inspect.info(str(work / "cache"))[
         "bytes_per_real_token"]
 
+    # each basis fitted as the recipe fits its own: on BASIS_SAMPLES samples spread evenly over the answers
+    regen = [x for f in sorted((work / "regenerated" / "data").glob("part-*.jsonl"))
+             for x in f.read_text().splitlines()]
+    step = len(regen) // 10
+    assert step > 1 and (tq / "basis-fit.jsonl").read_text().splitlines() == regen[::step][:10]
+    assert f"fitted on 10 of the {len(regen)} regenerated samples (one in {step}) -> {tq / 'cache-basis12-fit'}" \
+        in printed
     for R in (12, 8):
         recs = {n: dflash_cache.open(str(tq / n)).metadata["basis"]
-                for n in (f"cache-basis{R}", f"cache-valid-basis{R}")}
+                for n in (f"cache-basis{R}-fit", f"cache-basis{R}", f"cache-valid-basis{R}")}
         assert {r["rank"] for r in recs.values()} == {R} and len({r["digest"] for r in recs.values()}) == 1
 
     # runs in order, each cache made just before its kind's first run; the table by kind then seed
