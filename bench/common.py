@@ -21,6 +21,8 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
 CODER_0_5B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1_000_000.0,
                   rms_norm_eps=1e-6, tie_word_embeddings=True)
+# Qwen2.5-Coder-1.5B-Instruct's (the coder recipe's --coder-model 1.5b)
+CODER_1_5B = dict(CODER_0_5B, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12)
 # SmolLM2-135M-Instruct's shape (Llama): the demo-size drafter is derived from it
 SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                num_key_value_heads=3, head_dim=64, max_position_embeddings=8192, rope_theta=100000.0,

@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import CODER_0_5B, QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
+from bench.common import CODER_0_5B, CODER_1_5B, QWEN3_8B, SMOLLM2, hardware, qwen3_config  # noqa: E402
 from dflash.core.static_decode import StaticDecoder  # noqa: E402
 from dflash.core.target import decode_sdpa  # noqa: E402
 from dflash.extract.generation.slab import kv_bytes_per_token  # noqa: E402
@@ -52,8 +52,8 @@ def model_of(shape: str, device, dtype):
         theta = kw.pop("rope_theta")
         cfg = LlamaConfig(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         cls = LlamaForCausalLM
-    elif shape == "coder":
-        kw = dict(CODER_0_5B)
+    elif shape in ("coder", "coder-1.5b"):
+        kw = dict(CODER_0_5B if shape == "coder" else CODER_1_5B)
         theta = kw.pop("rope_theta")
         cfg = Qwen2Config(**kw, rope_parameters={"rope_type": "default", "rope_theta": theta})
         cls = Qwen2ForCausalLM
@@ -156,6 +156,9 @@ def prefill_step(m, k: int, w: int):
 
 
 def run(shape: str, args, dev) -> list[dict]:
+    # each shape compiles afresh: automatic dynamic shapes would otherwise make the second shape's sizes (heads,
+    # widths) symbolic, slower kernels than one process decoding one target compiles
+    torch._dynamo.reset()
     m = model_of(shape, dev, torch.bfloat16)
     wb, kvt = weight_bytes(m), kv_bytes_per_token(m.config, torch.bfloat16)
     bw = args.bandwidth * 1e12
