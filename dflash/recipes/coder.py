@@ -18,22 +18,11 @@ and the eval: the in-source held-out prompts, MT-Bench (`heldout_source`, out-of
 (`eval_sources`, a set of its own), none of them trained on, each with tau, speed-up and n-gram lookup beside it, in
 bf16, then the float32 lossless check; block 16; `dflash eval`'s report records the harness settings.
 
-Its stage plan is the 0.5b recipe as measured from nothing on one H100 (2026-12-06, BENCHMARKS.md "Coder
-recipe"; 13 min 50 s: 2,000 training steps, the eval over all 236 prompts: 32 in-source, 40 MT-Bench, 164
-HumanEval). The 1.5b's is an estimate: the 0.5b's stages scaled by the larger model's cost per unit of the same work
-(its preset asks the same data and half the steps, training scaled by them):
-
-    weights read per token (non-embedding + LM head): 0.5b 494M, 1.5b 1.54B (3.1x): converting the GGUF
-    batched decoding (self prompts, regeneration, the validation data's target): ~2x (the 0.5b's steps are far from
-    its bytes bound, BENCHMARKS.md "Coder recipe", so less than the weights' ratio)
-    fp8 cache bytes per token (5 layers x H + scales, ids): 4,510 and 7,710 (1.7x): the extraction
-    a drafter training position (4 layers of the target's width and MLP, fc, the LM head over 151,936 tokens):
-    200M and 432M multiply-adds (2.2x): the training
-    eval: bf16 at batch 1, the step bound by launches more than bytes (1.57 ms for the 0.5b target): ~1.33x;
-    float32 reads twice the bytes of a 3.1x model: 3x a prompt, over 8 prompts instead of 16
-
-which gives ~19 min for the 1.5b from nothing, the target's transfer to a machine without internet (1.12 GB; the
-0.5b's 0.49 GB took ~30 s in 8 parts) and the machine's start on top: it should fit a 30-minute machine, unmeasured.
+Its stage plan is each model's recipe as measured from nothing on one H100 (2026-12-06, BENCHMARKS.md "Coder
+recipe"; the eval over all 236 prompts: 32 in-source, 40 MT-Bench, 164 HumanEval), the training scaled by the
+preset's steps against the measured run's: the 0.5b 13 min 50 s with 2,000 steps; the 1.5b 13 min 34 s with 1,000
+steps (its held-out tau still rising: the preset now asks 2,000, ~19 min), the target's transfer to a machine
+without internet (1.12 GB in 19 parts: ~70 s) and the machine's start on top.
 """
 
 from __future__ import annotations
@@ -46,25 +35,23 @@ PRESETS = {"0.5b": "demo-gpu-coder", "1.5b": "demo-gpu-coder-1.5b"}
 WORKDIRS = {"0.5b": "work/demo-gpu-coder", "1.5b": "work/demo-gpu-coder-1.5b"}
 CODER_DIR = "work/coder"  # where `make coder-assets` joins the GGUF (--coder-dir)
 
-# the 0.5b recipe's stages, measured from nothing on one H100 (2026-12-06: 2,000 steps, its eval over all 236 prompts)
-MEASURED_0_5B = {"prepare target": 26.9, "self prompts": 114.1, "data": 2.4, "regenerate": 20.5,
-                 "validation data": 23.3, "extract": 12.1, "train": 459.7, "eval bfloat16": 135.4,
-                 "eval float32": 30.5}
-MEASURED_STEPS = 2000  # the training steps of that run: a preset's "train" is scaled by its own max_steps
-# the cost of each stage per unit of the same work, 1.5b against 0.5b (module docstring)
-LARGER = {"prepare target": 3.1, "self prompts": 2.0, "data": 1.0, "regenerate": 2.0, "validation data": 2.0,
-          "extract": 1.7, "train": 2.2, "eval bfloat16": 1.33, "eval float32": 3.0 * 8 / 16}
+# each model's recipe measured from nothing on one H100 (2026-12-06, its eval over all 236 prompts): its stages'
+# seconds and its training steps (a preset's "train" is scaled by its own max_steps against these)
+MEASURED = {
+    "0.5b": ({"prepare target": 26.9, "self prompts": 114.1, "data": 2.4, "regenerate": 20.5, "validation data": 23.3,
+              "extract": 12.1, "train": 459.7, "eval bfloat16": 135.4, "eval float32": 30.5}, 2000),
+    "1.5b": ({"prepare target": 48.6, "self prompts": 86.9, "data": 2.8, "regenerate": 55.2, "validation data": 26.7,
+              "extract": 30.1, "train": 339.0, "eval bfloat16": 187.4, "eval float32": 31.5}, 1000),
+}
 
 
 def coder_stage_seconds(model: str) -> dict[str, float]:
-    """The coder recipe's expected seconds per stage for `model` (0.5b, 1.5b): the 0.5b's measured stages, its
-    training scaled by the preset's steps (MEASURED_STEPS), times LARGER for the 1.5b. The training follows the
-    extraction, so "train" is what is left after it."""
+    """The coder recipe's expected seconds per stage for `model` (0.5b, 1.5b): its measured stages (MEASURED), the
+    training scaled by the preset's steps against the measured run's. The training follows the extraction, so
+    "train" is what is left after it."""
     if model not in PRESETS:
         known = ", ".join(m for m in CODER_MODELS if m)
         raise ValueError(f"coder_model: {model!r} is not a coder model (known: {known})")
-    steps = read_preset(PRESETS[model], "train").get("max_steps") or MEASURED_STEPS
-    out = dict(MEASURED_0_5B, train=MEASURED_0_5B["train"] * steps / MEASURED_STEPS)
-    if model == "1.5b":
-        out = {k: v * LARGER[k] for k, v in out.items()}
-    return out
+    stages, measured_steps = MEASURED[model]
+    steps = read_preset(PRESETS[model], "train").get("max_steps") or measured_steps
+    return dict(stages, train=stages["train"] * steps / measured_steps)

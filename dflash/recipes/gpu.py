@@ -123,8 +123,8 @@ def plan_source(recipe, compare: str) -> str:
         return (f"estimated: the {compare} stages from DFlash's, training for DFlash's training time, eval "
                 f"x{DFLASH2_EVAL_FACTOR:g}")
     if recipe.coder_model:
-        return ("as measured for the 0.5B: " if recipe.coder_model == "0.5b" else
-                "estimated from the 0.5B's measured stages: ") + "dflash/recipes/coder.py"
+        return (f"the {recipe.coder_model}'s stages as measured, training scaled by the preset's steps: "
+                "dflash/recipes/coder.py")
     scale = data_scale(recipe)
     if scale == 1.0:
         return "as measured for the shipped preset"
