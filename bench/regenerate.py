@@ -1,5 +1,6 @@
-"""Regeneration speed: generated tokens/s of `dflash regenerate`'s generator (extract.generate.Engine), on a real or
-random target, and (--turns) multi-turn conversations with and without --continue-turns.
+"""Regeneration speed: generated tokens/s of `dflash regenerate`'s generators (extract.generate.Engine, and with
+--engine the slot engine a GPU runs: extract/generation/slot_engine.py), on a real or random target, and (--turns)
+multi-turn conversations with and without --continue-turns.
 
 Feeds BENCHMARKS.md, "Regeneration".
 
@@ -8,6 +9,10 @@ Feeds BENCHMARKS.md, "Regeneration".
 
     # one H200, a Qwen3-8B-shaped target with random weights (no EOS stop: every row runs to --max-new-tokens)
     python bench/regenerate.py --qwen3-8b-random --prompts 512 --batch-size 256 --max-new-tokens 512
+
+    # one GPU, the coder recipe's target: the slot engine booking each step one step late against at once
+    python bench/regenerate.py --model work/demo-gpu-coder/target --prompts 8192 --batch-size 1024 \
+        --max-new-tokens 256 --engine slots-at-once,slots
 
     # multi-turn chitchat conversations, each turn a new prompt (off) or continued in its row (on)
     python bench/regenerate.py --model demo --turns on,off --conversations 16 --max-turns 8 --max-new-tokens 24
@@ -44,6 +49,7 @@ import torch  # noqa: E402
 
 from dflash.core.chat import eos_ids_of  # noqa: E402
 from dflash.extract.generation.generate import Engine, Request, plan_engine, rng_key  # noqa: E402
+from dflash.extract.generation.slot_engine import SlotEngine, plan_slots  # noqa: E402
 from dflash.core.dist import resolve_dtype  # noqa: E402
 
 
@@ -97,9 +103,18 @@ def qwen3_8b_random(device: torch.device):
     return model.eval().requires_grad_(False)
 
 
-def run(model, prompts, max_new: list[int], *, eos, batch, max_tokens, prefill, temperature, top_p, refill, dev):
-    eng = Engine(model, eos_ids=eos, batch_size=batch, max_batch_tokens=max_tokens, prefill_tokens=prefill,
-                 temperature=temperature, top_p=top_p, pad_id=0, refill=refill)
+def run(model, prompts, max_new: list[int], *, eos, batch, max_tokens, prefill, temperature, top_p, refill, dev,
+        pipeline=None):
+    """One run of the eager Engine (pipeline None) or of regenerate's SlotEngine on a GPU, booking each step one step
+    late or at once (pipeline True / False), its slots planned as regenerate plans them."""
+    if pipeline is None:
+        eng = Engine(model, eos_ids=eos, batch_size=batch, max_batch_tokens=max_tokens, prefill_tokens=prefill,
+                     temperature=temperature, top_p=top_p, pad_id=0, refill=refill)
+    else:
+        plan = plan_slots(model.config, next(model.parameters()).dtype, batch, max_tokens)
+        eng = SlotEngine(model, eos_ids=eos, slots=plan.slots, max_len=plan.max_len, prefill_tokens=prefill,
+                         temperature=temperature, top_p=top_p, refill=refill, overflow_tokens=plan.overflow_tokens,
+                         start_len=512, pipeline=pipeline)
     for i, p in enumerate(prompts):
         eng.add(Request(p, max_new[i], key=i, rng_key=rng_key(0, i), priority=(-len(p), i)))
     rows_sum = 0
@@ -204,6 +219,9 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true", help="Never stop at EOS (always with --qwen3-8b-random).")
     ap.add_argument("--static", choices=["off", "on", "both"], default="off",
                     help="on: refill only an empty batch (static batching baseline); both: run both.")
+    ap.add_argument("--engine", default="eager", help="Comma list of eager (the Engine), slots (regenerate's engine on a "
+                    "GPU: CUDA graphs, each step booked one step late) and slots-at-once (the same, each step booked "
+                    "before the next is launched).  [default: eager]")
     ap.add_argument("--dtype", choices=["auto", "bfloat16", "float32"], default="auto")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads [default: torch's]")
@@ -250,28 +268,32 @@ def main() -> None:
     print(f"model {name}, {str(dtype).replace('torch.', '')}, on {device}; {len(prompts)} prompts (mean "
           f"{sum(map(len, prompts)) / len(prompts):.0f} tokens); max new tokens {N}"
           f"{' (each uniform in N/8..N)' if a.vary_new_tokens else ''}; eos stop {'on' if eos else 'off'}")
-    header = (f"{'batch':>6} {'refill':>7} {'rows/step':>9} {'generated':>10} {'seconds':>8} {'prefill s':>9} "
+    header = (f"{'engine':>14} {'batch':>6} {'refill':>7} {'rows/step':>9} {'generated':>10} {'seconds':>8} {'prefill s':>9} "
               f"{'decode s':>8} {'edit s':>7} {'tok/s':>9}")
     print(header)
     results = []
-    warm = False
+    warm: dict[str, bool] = {}
     for bs in [int(x) for x in str(a.batch_size).split(",")]:
         batch, max_tokens, prefill = plan_engine(model.config, dtype, dev, bs, a.max_batch_tokens, a.prefill_tokens)
-        for static in ([False, True] if a.static == "both" else [a.static == "on"]):
+        engines = {"eager": None, "slots": True, "slots-at-once": False}
+        for engine, static in [(e, st) for e in a.engine.split(",")
+                               for st in ([False, True] if a.static == "both" else [a.static == "on"])]:
+            if engine not in engines:
+                ap.error(f"--engine: {engine!r} is not one of {', '.join(engines)}")
             kw = dict(eos=eos, batch=batch, max_tokens=max_tokens, prefill=prefill, temperature=a.temperature,
-                      top_p=a.top_p, refill=batch if static else None, dev=dev)
-            if not warm:
+                      top_p=a.top_p, refill=batch if static else None, dev=dev, pipeline=engines[engine])
+            if not warm.get(engine):
                 run(model, prompts[: min(8, len(prompts))], [min(8, m) for m in max_new], **kw)  # warm-up
-                warm = True
+                warm[engine] = True
             r = run(model, prompts, max_new, **kw)
             ph = r["phase_seconds"]
-            print(f"{batch:>6} {'static' if static else 'dynamic':>7} {r['mean_batch']:>9.1f} "
+            print(f"{engine:>14} {batch:>6} {'static' if static else 'dynamic':>7} {r['mean_batch']:>9.1f} "
                   f"{r['generated_tokens']:>10,} {r['seconds']:>8.2f} {ph['prefill']:>9.2f} {ph['decode']:>8.2f} "
                   f"{ph['batch_edit']:>7.2f} {r['tokens_per_s']:>9,.1f}", flush=True)
             r.update(model=name, device=device, dtype=str(dtype).replace("torch.", ""), prompts=len(prompts),
                      batch_size=batch, static=static, max_new_tokens=N, vary_new_tokens=a.vary_new_tokens,
                      max_batch_tokens=max_tokens, prefill_tokens=prefill, temperature=a.temperature,
-                     eos_stop=bool(eos), torch=torch.__version__,
+                     eos_stop=bool(eos), torch=torch.__version__, engine=engine,
                      mean_prompt_tokens=r["prompt_tokens"] / len(prompts), command=" ".join(sys.argv))
             results.append(r)
     if a.json:

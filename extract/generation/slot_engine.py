@@ -18,7 +18,13 @@ one CUDA-graph replay (dflash/core/static_decode.py). The eager Engine stays the
     (`overflow`), and a continuation that would outgrow its slot is refused (the caller submits the next turn
     as a new prompt), as Engine does with its token budget: no request is ever dropped;
   * sampling is Engine's: one uniform per (row's rng key, step), so the text of a row depends on neither the
-    engine, nor the batch, nor the slot it ran in.
+    engine, nor the batch, nor the slot it ran in;
+  * the host reads a step's tokens one step late (`pipeline`, on unless turns go on in their slots): each step's
+    tokens stay on the device as the next step's inputs, so step k+1 is launched before step k's tokens are copied
+    back and booked (appended, end ids found, slots freed), and that work runs while the device computes. A row
+    that ended at step k is decoded once more at step k+1 and that token dropped. The in-flight step is booked
+    first whenever slots change hands (a prefill, a compaction), so no token reaches another row. Turns that go on
+    in their slot (follow) need each token before the next step's input is chosen, so they book every step at once.
 """
 
 from __future__ import annotations
@@ -98,7 +104,7 @@ class SlotEngine:
                  temperature: float = 0.0, top_p: float = 1.0, pad_id: int = 0, refill: int | None = None,
                  follow: Callable[[Result], Continuation | None] | None = None, overflow_tokens: int = 1 << 16,
                  graphs: bool = True, bucket: int = 256, decoder: StaticDecoder | None = None,
-                 start_len: int | None = None):
+                 start_len: int | None = None, pipeline: bool | None = None):
         self.model = model
         self.device = next(model.parameters()).device
         self.limit = -(-int(max_len) // bucket) * bucket  # positions a slot may grow to
@@ -125,6 +131,17 @@ class SlotEngine:
         self._eos = np.array(sorted(self.eos), dtype=np.int64)
         self._forcing: set[int] = set()  # slots whose row may still have continuation ids to feed
         self.last = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
+        # the step launched but not yet booked: (its live slots, their rows, its tokens on the host, their event)
+        self.pipeline = follow is None if pipeline is None else bool(pipeline)
+        if self.pipeline and follow is not None:
+            raise ValueError("pipeline: turns that go on in their slot (follow) need each step's tokens at once")
+        self._inflight: tuple | None = None
+        cuda = self.device.type == "cuda"
+        # host buffers, two of each (one for the step in flight, one for the step being launched or booked),
+        # page-locked on a GPU so that both copies run asynchronously: the steps' tokens, and their rows' positions
+        self._host = [torch.zeros(self.batch_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._host_start = [torch.zeros(self.batch_size, dtype=torch.long, pin_memory=cuda) for _ in range(2)]
+        self._flip = 0
         self._start = torch.zeros(self.batch_size, dtype=torch.long, device=self.device)
         # the eager engine of the target's kind (a hybrid's: transformers' cache per layer kind)
         if needs_kind_cache(model):
@@ -169,7 +186,7 @@ class SlotEngine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.pending or self._busy.any() or self.overflow.busy)
+        return bool(self.pending or self._busy.any() or self._inflight is not None or self.overflow.busy)
 
     @property
     def graphs(self) -> int:
@@ -195,12 +212,15 @@ class SlotEngine:
         busy = self.batch_size - len(free)
         if self.pending and free and (busy == 0 or len(free) >= self.refill):
             t = time.perf_counter()
-            done += self._admit(free)
+            done += self._book()  # the rows that ended in the step in flight free their slots first
+            done += self._admit(np.flatnonzero(~self._busy).tolist())
             self.seconds["prefill"] += time.perf_counter() - t
         if self._busy.any():
             t = time.perf_counter()
             done += self._decode()
             self.seconds["decode"] += time.perf_counter() - t
+        elif self._inflight is not None:
+            done += self._book()
         if self.overflow.busy:
             done += self.overflow.step()
         return done
@@ -209,8 +229,11 @@ class SlotEngine:
     def _sample(self, logits: torch.Tensor, rows: list[_Row | None]) -> torch.Tensor:
         u = None
         if self.temperature > 0:
+            # a row's step counter is its tokens so far: with a step in flight, one more than its booked tokens
+            # (every busy row was in it: a prefill books it first)
+            late = int(self._inflight is not None)
             u = torch.from_numpy(uniforms([r.req.rng_key if r else 0 for r in rows],
-                                          [len(r.out) if r else 0 for r in rows]))
+                                          [len(r.out) + late if r else 0 for r in rows]))
         return sample(logits, self.temperature, self.top_p, u)
 
     @torch.inference_mode()
@@ -257,13 +280,16 @@ class SlotEngine:
 
     @torch.inference_mode()
     def _decode(self) -> list[Result]:
-        if not self.pending:
-            self._compact()
+        early = self._compact() if not self.pending else []  # with a step in flight booked first: rows it ended
+        if not self._busy.any():
+            return early
         n = self._width()
         live = np.flatnonzero(self._busy[:n])
         end = int(self.pos[live].max()) + 1
         start = self.pos[:n]  # a free slot's position is 0: its step writes and reads that column only
-        self._start[:n].copy_(torch.from_numpy(start), non_blocking=True)
+        staged = self._host_start[self._flip][:n]  # free again: the step that last read it has been booked
+        staged.numpy()[:] = start
+        self._start[:n].copy_(staged, non_blocking=True)
         # each row's own columns (the decoder's variable-length attention) where they are few enough of the span's
         own, spanned = int(start.sum()) + n, n * self.dec.span_for(end)
         varlen = self.dec.varlen_step(n, 1) and own < VARLEN_MAX_SHARE[self.dec.varlen_kernel] * spanned
@@ -285,8 +311,33 @@ class SlotEngine:
         if fed:
             idx = sorted(fed)
             self.last[idx] = torch.tensor([self.slot_rows[i].forced.popleft() for i in idx], device=self.device)
-        tokens = self.last[:n].tolist()
-        return self._emit(live.tolist(), [tokens[i] for i in live.tolist()], fed)
+        if not self.pipeline:
+            tokens = self.last[:n].tolist()
+            return early + self._emit(live.tolist(), [tokens[i] for i in live.tolist()], fed)
+        host = self._host[self._flip][:n]
+        self._flip ^= 1
+        host.copy_(self.last[:n], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        slots = live.tolist()
+        prev, self._inflight = self._inflight, (slots, [self.slot_rows[i] for i in slots], host, event)
+        return early + (self._book(prev) if prev is not None else [])
+
+    def _book(self, step: tuple | None = None) -> list[Result]:
+        """Book a launched step's tokens (the one in flight by default): each row still in its slot gets its token
+        (a row that ended in the step before was decoded once more, its token dropped)."""
+        if step is None:
+            step, self._inflight = self._inflight, None
+            if step is None:
+                return []
+        live, rows, host, event = step
+        if event is not None:
+            event.synchronize()
+        tokens = host.tolist()
+        keep = [s for s, row in zip(live, rows) if self.slot_rows[s] is row]
+        return self._emit(keep, [tokens[s] for s in keep], set())
 
     def _emit(self, slots: list[int], tokens: list[int], fed: set[int]) -> list[Result]:
         """Append each busy slot's token (slots[j] gets tokens[j], slots ascending; but those fed a continuation id)
@@ -357,13 +408,19 @@ class SlotEngine:
     def max_len(self) -> int:
         return self.dec.max_len
 
-    def _compact(self) -> None:
+    def _compact(self) -> list[Result]:
         """With no prompt waiting: move the highest busy rows into the lowest free slots while the busy rows fit
-        half of the current step's batch, so the tail of a run decodes fewer rows."""
+        half of the current step's batch, so the tail of a run decodes fewer rows. Returns the rows the step in
+        flight ended (it is booked first)."""
         n = self._width()
         busy = np.flatnonzero(self._busy).tolist()
         if n <= MIN_BATCH or len(busy) > n // 2:
-            return
+            return []
+        if self._inflight is not None:  # rows move to other slots: the step in flight is booked by the old ones
+            done = self._book()
+            if self._busy.any():
+                done += self._compact()
+            return done
         target = n // 2
         while target // 2 >= max(MIN_BATCH, len(busy)):
             target //= 2
@@ -384,3 +441,4 @@ class SlotEngine:
         self.compactions += 1
         self._copied_columns += len(src) * self.dec.max_len
         self.seconds["batch_edit"] += time.perf_counter() - t
+        return []
