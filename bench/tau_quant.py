@@ -54,23 +54,23 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 
 def complete_cache(path: str):
-    """The cache at path, open, when it is complete (every shard committed: not one still being written); else None."""
+    """The cache at path, open, when it is complete (every shard committed: not one still being written; the reader
+    refuses any other); else None."""
     import dflash_cache
 
     try:
-        cache = dflash_cache.open(path, allow_incomplete=True)
+        return dflash_cache.open(path)
     except dflash_cache.CacheError:
         return None
-    return cache if cache.complete else None
 
 
 def reusable(path: str, hidden_dtype: str) -> bool:
     """Whether path holds a complete cache in hidden_dtype (bf16, fp8, fp4) with the context features as they are
     (not on a basis): what a run of that kind would otherwise extract again."""
-    from dflash_cache.quant import CLI_NAMES
+    from dflash_cache.quant import resolve
 
     cache = complete_cache(path)
-    return cache is not None and not cache.spec.basis and cache.spec.hidden_dtype == CLI_NAMES.get(hidden_dtype)
+    return cache is not None and not cache.spec.basis and cache.spec.hidden_dtype == resolve(hidden_dtype)
 
 
 def main(argv=None):

