@@ -103,18 +103,21 @@ def qwen3_8b_random(device: torch.device):
     return model.eval().requires_grad_(False)
 
 
+ENGINES = ("eager", "slots", "slots-at-once")  # --engine's names
+
+
 def run(model, prompts, max_new: list[int], *, eos, batch, max_tokens, prefill, temperature, top_p, refill, dev,
-        pipeline=None):
-    """One run of the eager Engine (pipeline None) or of regenerate's SlotEngine on a GPU, booking each step one step
-    late or at once (pipeline True / False), its slots planned as regenerate plans them."""
-    if pipeline is None:
+        engine: str = "eager"):
+    """One run of `engine` (ENGINES): the eager Engine, or regenerate's SlotEngine on a GPU booking each step one step
+    late (slots) or at once (slots-at-once), its slots planned as regenerate plans them."""
+    if engine == "eager":
         eng = Engine(model, eos_ids=eos, batch_size=batch, max_batch_tokens=max_tokens, prefill_tokens=prefill,
                      temperature=temperature, top_p=top_p, pad_id=0, refill=refill)
     else:
         plan = plan_slots(model.config, next(model.parameters()).dtype, batch, max_tokens)
         eng = SlotEngine(model, eos_ids=eos, slots=plan.slots, max_len=plan.max_len, prefill_tokens=prefill,
                          temperature=temperature, top_p=top_p, refill=refill, overflow_tokens=plan.overflow_tokens,
-                         start_len=512, pipeline=pipeline)
+                         start_len=512, pipeline=engine == "slots")
     for i, p in enumerate(prompts):
         eng.add(Request(p, max_new[i], key=i, rng_key=rng_key(0, i), priority=(-len(p), i)))
     rows_sum = 0
@@ -233,6 +236,9 @@ def main() -> None:
     ap.add_argument("--workdir", help="--turns: where the runs write (default: a temporary directory, removed)")
     ap.add_argument("--json", help="Write the results here.")
     a = ap.parse_args()
+    bad = [e for e in a.engine.split(",") if e not in ENGINES]
+    if bad:
+        ap.error(f"--engine: {bad[0]!r} is not one of {', '.join(ENGINES)}")
     if a.turns:
         if not a.model:
             ap.error("--turns needs --model (an HF folder, a .gguf file or 'demo')")
@@ -275,13 +281,10 @@ def main() -> None:
     warm: dict[str, bool] = {}
     for bs in [int(x) for x in str(a.batch_size).split(",")]:
         batch, max_tokens, prefill = plan_engine(model.config, dtype, dev, bs, a.max_batch_tokens, a.prefill_tokens)
-        engines = {"eager": None, "slots": True, "slots-at-once": False}
         for engine, static in [(e, st) for e in a.engine.split(",")
                                for st in ([False, True] if a.static == "both" else [a.static == "on"])]:
-            if engine not in engines:
-                ap.error(f"--engine: {engine!r} is not one of {', '.join(engines)}")
             kw = dict(eos=eos, batch=batch, max_tokens=max_tokens, prefill=prefill, temperature=a.temperature,
-                      top_p=a.top_p, refill=batch if static else None, dev=dev, pipeline=engines[engine])
+                      top_p=a.top_p, refill=batch if static else None, dev=dev, engine=engine)
             if not warm.get(engine):
                 run(model, prompts[: min(8, len(prompts))], [min(8, m) for m in max_new], **kw)  # warm-up
                 warm[engine] = True
