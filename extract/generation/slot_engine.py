@@ -212,9 +212,11 @@ class SlotEngine:
         busy = self.batch_size - len(free)
         if self.pending and free and (busy == 0 or len(free) >= self.refill):
             t = time.perf_counter()
-            done += self._book()  # the rows that ended in the step in flight free their slots first
+            done += self._book()  # the rows that ended in the step in flight free their slots first (decode time)
+            u = time.perf_counter()
+            self.seconds["decode"] += u - t
             done += self._admit(np.flatnonzero(~self._busy).tolist())
-            self.seconds["prefill"] += time.perf_counter() - t
+            self.seconds["prefill"] += time.perf_counter() - u
         if self._busy.any():
             t = time.perf_counter()
             done += self._decode()
