@@ -11,7 +11,7 @@ Feeds BENCHMARKS.md, "Regeneration".
     python bench/regenerate.py --qwen3-8b-random --prompts 512 --batch-size 256 --max-new-tokens 512
 
     # one GPU, the coder recipe's target: the slot engine booking each step one step late against at once
-    python bench/regenerate.py --model work/demo-gpu-coder/target --prompts 8192 --batch-size 1024 \
+    python bench/regenerate.py --model work/demo-gpu-coder-1.5b/target --prompts 4096 --batch-size 1024 \
         --max-new-tokens 256 --engine slots-at-once,slots
 
     # multi-turn chitchat conversations, each turn a new prompt (off) or continued in its row (on)

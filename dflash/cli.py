@@ -694,9 +694,8 @@ def check(drafter):
                    "training times).  [default workdir: work/demo-gpu-dflash2]")
 @click.option("--coder-model", type=click.Choice(["0.5b", "1.5b"]),
               help="gpu-coder: the target, Qwen2.5-Coder-0.5B- or 1.5B-Instruct (configs/demo-gpu-coder-1.5b.yaml: "
-                   "~19 min from nothing on one H100, its 1,000-step run measured at 13.6 min).  [default: 0.5b, ~14 "
-                   "min measured on one H100; workdir "
-                   "work/demo-gpu-coder(-1.5b)]")
+                   "~18 min from nothing on one H100, measured).  [default: 0.5b, ~14 min measured on one H100; "
+                   "workdir work/demo-gpu-coder(-1.5b)]")
 @click.option("--coder-dir", help="gpu-coder: the folder holding the target's GGUF, joined and checked by "
                                   "`make coder-assets`.  [default: work/coder]")
 @click.option("--device", default="auto", show_default=True, help="cpu, cuda, or auto (the GPU when there is one).")
