@@ -104,7 +104,6 @@ def test_functions_asks_for_the_body_of_each_documented_public_function():
                        f'class K:\n    def method(self):\n        """{doc}"""\n'),
         "pkg/tests/test_ops.py": f'def test_add():\n    """{doc}"""\n',
         "top.py": "def f(a):\n    '''" + doc + "\n\n    >>> f(1)\n    1\n    '''\n    return a\n",
-        "broken.py": "def (:\n",
     }
     got = functions(files)
     assert [(c.key, c.category) for c in got] == [("pkg/ops.py:add", "pkg"), ("top.py:f", "top")]
@@ -112,6 +111,9 @@ def test_functions_asks_for_the_body_of_each_documented_public_function():
         {"role": "user", "content": HUMANEVAL_ASK.format(prompt=f'def add(a,\n        b):\n    """{doc}"""\n')},
         {"role": "assistant", "content": ""}]
     assert got[1].messages[0]["content"].endswith("    >>> f(1)\n    1\n    '''\n```")
+    # a file that does not parse is refused, naming it and its line, not skipped with its functions
+    with pytest.raises(ValueError, match=r"functions: pkg/broken\.py line 2 does not parse on Python 3\.\d+"):
+        functions({**files, "pkg/broken.py": "x = 1\ndef (:\n"})
 
 
 def test_a_source_of_another_version_is_refused(monkeypatch):

@@ -41,6 +41,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -156,7 +157,7 @@ def functions(files: dict[str, str]) -> list[Conversation]:
     (HUMANEVAL_ASK): the module-level `def`'s lines (decorators left out) through its docstring's, the body left for
     the target to write. Tests (paths with a `tests` folder or a test_ file) and docstrings outside
     FUNCTION_DOC_CHARS are left out; the key is PATH:NAME, the category the path's first folder (algorithms,
-    generators, ...)."""
+    generators, ...). A file that does not parse is refused, naming it: its functions would go missing."""
     import ast
 
     out = []
@@ -167,8 +168,9 @@ def functions(files: dict[str, str]) -> list[Conversation]:
         text = files[path]
         try:
             tree = ast.parse(text)
-        except SyntaxError:
-            continue
+        except SyntaxError as e:  # a pinned package's file: its functions would go missing without a word
+            raise ValueError(f"functions: {path} line {e.lineno} does not parse on Python "
+                             f"{sys.version.split()[0]}: {e.msg}") from None
         lines = text.splitlines()
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
