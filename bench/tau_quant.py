@@ -105,6 +105,7 @@ def main(argv=None):
         ap.error("--prepare makes a GPU recipe's data: it needs --recipe-workdir")
 
     from dflash_cache.inspect import info as cache_info
+    from dflash.core.io import atomic_json
     from dflash.recipes.assets import smollm2_gguf
     from dflash.recipes.cpu import _regenerate, prepare_data
     from dflash.recipes.demo import DemoConfig
@@ -245,8 +246,7 @@ def main(argv=None):
                      "final_loss": hist[-1].get("loss"), "train_s": train_s,
                      "data_wait_frac": tr.get("data_wait_frac"), "steps": tr.get("steps"),
                      "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"), "tau_sets": sets}
-        with open(path, "w") as f:
-            json.dump(done, f, indent=2)
+        atomic_json(path, done)  # a run killed while this is written keeps the runs before it
         print("tau-quant:", json.dumps({"run": key, **done[key]}), flush=True)
 
     bf = [done[f"{base_kind}-seed{s}"]["tau"] for s in seeds if f"{base_kind}-seed{s}" in done]
