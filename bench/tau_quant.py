@@ -27,7 +27,7 @@ recipe's own W/cache and W/cache-valid when they are complete caches in that dty
 fp8 cache is ~42 GB: a second copy would not fit a 64 GB disk). A basisR cache is on a basis fitted as the recipe
 fits its own (gpu_stages.shared_basis: rank R on BASIS_SAMPLES training samples spread over the regenerated answers,
 WORKDIR/cache-basisR-fit), the main and validation caches extracted on it. The whole GPU comparison, from nothing,
-in one command, meant for one H100 or H200 and its 64 GB disk in about 25 min of GPU (3,000 steps a run):
+in one command, meant for one H100 or H200 and its 64 GB disk: ~26 min on one H100 (3,000 steps a run, 2026-12-06):
 
     python bench/tau_quant.py --recipe-workdir work/demo-gpu --prepare --preset demo-gpu --workdir work/tau-gpu \\
         --hidden-dtypes fp8 --basis-ranks 288,576 --steps 3000 --device cuda
@@ -51,6 +51,21 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def eval_in_fresh_process(cfg):
+    """run_eval(cfg) in a process of its own (spawned: nothing of this one's CUDA or compile state), its report
+    returned. On a GPU each run's eval does so: in one process the target's compiled layers and CUDA graphs carry
+    over from the regeneration, the extractions, the trainings and the evals before, and in bf16 which of their
+    variants a step uses moves its near-tie argmax flips between the target alone and its verification (one run
+    measured 92/96 identical outputs in the first eval of a process and 48/96 in each later one). A user's `dflash
+    eval` is such a fresh process."""
+    import multiprocessing
+
+    from dflash.train.evaluate.eval import run_eval
+
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(run_eval, (cfg,))
 
 
 def complete_cache(path: str):
@@ -238,11 +253,16 @@ def main(argv=None):
         tr = run_train(train_cfg(cache=caches[hdt], out=out, seed=seed,
                                  **({"val_cache": val_caches[hdt]} if hdt in val_caches else {})))
         train_s = time.perf_counter() - t
-        ev = run_eval(eval_cfg(drafter=os.path.join(out, "final")))
+        cfg = eval_cfg(drafter=os.path.join(out, "final"))
+        ev = eval_in_fresh_process(cfg) if a.device != "cpu" else run_eval(cfg)
+        diff = ev["dflash"].get("differences") or {}
         hist = tr.get("history") or [{}]
         sets = {name: v["dflash"]["tau"] for name, v in (ev.get("sets") or {}).items()}
         done[key] = {"hidden_dtype": hdt, "seed": seed, "bytes_per_real_token": stored.get(hdt), "tau": ev["dflash"]["tau"], "tau_ngram": ev["ngram"]["tau"],
                      "identical": ev["dflash"]["outputs_identical"], "prompts": ev["prompts"],
+                     "near_tie": diff.get("near_tie"), "suspect": diff.get("suspect"),
+                     "identical_sets": {name: v["dflash"].get("identical")
+                                        for name, v in (ev.get("sets") or {}).items()},
                      "final_loss": hist[-1].get("loss"), "train_s": train_s,
                      "data_wait_frac": tr.get("data_wait_frac"), "steps": tr.get("steps"),
                      "val_tau_decode": (tr.get("val") or {}).get("val_tau_decode"), "tau_sets": sets}

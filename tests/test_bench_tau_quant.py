@@ -58,6 +58,7 @@ def test_tau_quant_prepares_a_recipe_reuses_its_cache_and_fits_bases_as_it_does(
         assert r["steps"] == 4 and r["identical"] == r["prompts"] == 3  # float32: every output the target's
         assert 1.0 <= r["val_tau_decode"] <= 4.0  # its own validation cache, on its basis
         assert list(r["tau_sets"]) == ["in-source"] and r["tau_sets"]["in-source"] == r["tau"]
+        assert r["identical_sets"] == {"in-source": 3} and r["near_tie"] == r["suspect"] == 0
     for k in ("basis12-seed0", "basis8-seed0"):
         assert runs[k]["bytes_per_real_token"] < runs["fp8-seed0"]["bytes_per_real_token"] / 4
     assert s["base_spread"] == [min(runs[k]["tau"] for k in ("fp8-seed0", "fp8-seed1")),
@@ -124,3 +125,29 @@ def test_tau_quant_reuses_only_a_complete_recipe_cache_of_its_dtype_off_a_basis(
     shutil.copytree(work / "cache-valid", partial)
     (partial / "shards" / "000000" / "zarr.json").unlink()  # a shard not committed (yet)
     assert not tau_quant.reusable(str(partial), "fp8") and tau_quant.complete_cache(str(partial)) is None
+
+
+def test_tau_quant_eval_in_a_fresh_process_reports_what_the_eval_in_this_one_does(tmp_path):
+    """On a GPU each run's eval is a process of its own (eval_in_fresh_process: spawned, so none of this process's
+    compiled layers or CUDA graphs): its report comes back whole, the same figures an eval here gives."""
+    from dflash.core.config import build
+    from dflash.recipes.gpu_config import load_recipe
+    from dflash.train.evaluate.eval import EvalConfig, run_eval
+    from dflash.train.fit.trainer import TrainConfig, run_train
+
+    preset, work = tiny_recipe(tmp_path)
+    from dflash.recipes.gpu_stages import prepare
+
+    prepare(str(work), str(preset), "cpu", progress=False)
+    run_train(build(TrainConfig, str(preset), "train", {"cache": str(work / "cache"), "target": str(work / "target"),
+                                                        "out": str(tmp_path / "run"), "device": "cpu",
+                                                        "progress": False, "max_steps": 2}))
+    cfg = EvalConfig(target=str(work / "target"), drafter=str(tmp_path / "run" / "final"),
+                     data=str(work / "data" / "heldout.jsonl"), device="cpu", progress=False,
+                     max_new_tokens=load_recipe(str(preset)).eval_max_new_tokens)
+    here, fresh = run_eval(cfg), tau_quant.eval_in_fresh_process(cfg)
+    assert fresh["prompts"] == here["prompts"] >= 3
+    for name in ("dflash", "ngram"):
+        assert fresh[name]["tau"] == here[name]["tau"] and fresh[name]["tokens"] == here[name]["tokens"]
+        assert fresh[name]["outputs_identical"] == here[name]["outputs_identical"] == here["prompts"]
+    assert fresh["dflash"]["differences"]["differing"] == 0 and list(fresh["sets"]) == list(here["sets"])
