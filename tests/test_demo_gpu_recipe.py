@@ -169,7 +169,7 @@ def test_the_preset_builds_every_stage_config():
 
 
 def test_the_3x_preset_scales_the_data_stages_and_stores_its_caches_on_a_basis():
-    """configs/demo-gpu-3x.yaml: every stage's config builds; its caches are on a basis of rank H/2 in fp8; its mix
+    """configs/demo-gpu-3x.yaml: every stage's config builds; its caches are on a basis of rank H in fp8; its mix
     makes 2.72x the measured preset's samples (self prompts / self's share), and the stage plan scales the data's
     stages by that (self prompts by the prompts), the training after the extraction by what the trainer had left,
     and the rest stays: ~20 minutes on one H200, estimated."""
@@ -182,7 +182,7 @@ def test_the_3x_preset_scales_the_data_stages_and_stores_its_caches_on_a_basis()
     r, base = load_recipe("demo-gpu-3x"), load_recipe("demo-gpu")
     build(RegenerateConfig, "demo-gpu-3x", "regenerate", {"target": "t", "data": "d", "out": "o"})
     e = build(ExtractConfig, "demo-gpu-3x", "extract", {"target": "t", "data": "d", "out": "o"})
-    assert (e.basis_rank, e.hidden_dtype, e.basis_from) == (288, "fp8", None)
+    assert (e.basis_rank, e.hidden_dtype, e.basis_from) == (576, "fp8", None)
     assert data_scale(base) == 1.0 and data_scale(r) == pytest.approx((184320 / 0.69) / (49152 / 0.5))
     assert list(r.sources)[0] == "self" and sum(r.sources.values()) == pytest.approx(1.0)
     plan, one = gpu_stage_plan("demo-gpu-3x").seconds, gpu_stage_plan("demo-gpu").seconds
