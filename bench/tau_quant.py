@@ -39,7 +39,9 @@ comparison, then the spread.
 Every stage resumes when rerun (extract and train do; evaluated runs are kept in WORKDIR/tau-quant.json, rewritten
 after each run, and not run again). Prints one line per run as it ends (`tau-quant: {...}`) and a table: tau per
 run, the bf16 seeds' mean and spread (min..max), and for each quantised cache its tau minus the bf16 run of the same
-seed and whether it lies within the bf16 spread.
+seed and whether it lies within the bf16 spread. On a GPU each run's eval is a process of its own
+(eval_in_fresh_process); each run records its outputs identical to the target's per set, and its near ties and
+suspect differences.
 """
 
 from __future__ import annotations
