@@ -201,7 +201,9 @@ def cache_verify(path, threads, repair):
         help="Store the features on the basis of this cache (same target and layers) instead of fitting one: a "
              "--val-cache for a cache on a basis must be on the same one.")
 @option("--basis-fit-tokens", type=int,
-        help="Row tokens the basis is fitted on: the real tokens of ceil(N / T) rows spread evenly over the plan.")
+        help="Row tokens the basis is fitted on: the real tokens of ceil(N / T) rows spread evenly over the plan. The "
+             "default, 65,536, is where the held-out error settled at K*H = 2,880 (~20x the width); raise it for a "
+             "wider target.")
 @option("--writer-threads", type=int, help="Threads that compress and write shards, per rank.", default_text="the cores / ranks on the node")
 @option("--chat-template", help="A Jinja chat template file to use instead of the tokenizer's.")
 @option("--chat-template-kwargs", multiple=True, metavar="KEY=VALUE", help="Extra template variables, e.g. enable_thinking=false.")
