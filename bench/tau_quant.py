@@ -58,10 +58,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 def eval_in_fresh_process(cfg):
     """run_eval(cfg) in a process of its own (spawned: nothing of this one's CUDA or compile state), its report
     returned. On a GPU each run's eval does so: in one process the target's compiled layers and CUDA graphs carry
-    over from the regeneration, the extractions, the trainings and the evals before, and in bf16 which of their
-    variants a step uses moves its near-tie argmax flips between the target alone and its verification (one run
-    measured 92/96 identical outputs in the first eval of a process and 48/96 in each later one). A user's `dflash
-    eval` is such a fresh process."""
+    over from the regeneration, the extractions, the trainings and the evals before, and one run measured 92/96 bf16
+    outputs identical to the target's in the first eval of its process, 48/96 in each later one (likely: which
+    compiled variant a step uses moves its near-tie argmax flips between the target alone and its verification).
+    A user's `dflash eval` is such a fresh process."""
     import multiprocessing
 
     from dflash.train.evaluate.eval import run_eval

@@ -195,8 +195,8 @@ def cache_verify(path, threads, repair):
              "on --basis-fit-tokens tokens of the data and kept in the cache). A drafter trained on it is written with "
              "the composed fc (K*H inputs), as any other. 0: the features as they are. With fp8 (one scale per token) "
              "or bf16; the last hidden state of --last-hidden stays as it is. It costs tau: R = H took 0.20 of fp8's "
-             "bytes, and at equal steps its drafter's held-out tau was ~4% below fp8's (BENCHMARKS.md, 'Cache size'); "
-             "for when the disk limits the data.", default_text="0")
+             "bytes, and at equal steps its drafter's held-out tau was 3.6% below the lowest of three fp8 seeds' "
+             "(BENCHMARKS.md, 'Cache size'); for when the disk limits the data.", default_text="0")
 @option("--basis-from", metavar="CACHE",
         help="Store the features on the basis of this cache (same target and layers) instead of fitting one: a "
              "--val-cache for a cache on a basis must be on the same one.")
