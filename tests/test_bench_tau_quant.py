@@ -132,12 +132,11 @@ def test_tau_quant_eval_in_a_fresh_process_reports_what_the_eval_in_this_one_doe
     compiled layers or CUDA graphs): its report comes back whole, the same figures an eval here gives."""
     from dflash.core.config import build
     from dflash.recipes.gpu_config import load_recipe
+    from dflash.recipes.gpu_stages import prepare
     from dflash.train.evaluate.eval import EvalConfig, run_eval
     from dflash.train.fit.trainer import TrainConfig, run_train
 
     preset, work = tiny_recipe(tmp_path)
-    from dflash.recipes.gpu_stages import prepare
-
     prepare(str(work), str(preset), "cpu", progress=False)
     run_train(build(TrainConfig, str(preset), "train", {"cache": str(work / "cache"), "target": str(work / "target"),
                                                         "out": str(tmp_path / "run"), "device": "cpu",
