@@ -68,26 +68,11 @@ def main(argv=None):
     os.makedirs(args.workdir, exist_ok=True)
 
     import dflash_cache
-    from dflash.core.target import convert_gguf, load_config, text_config
     from dflash_cache.basis import SecondMoment, fit, fit_rows
 
-    from bench.basis_size import extract
+    from bench.basis_size import extract, target_data_ranks
 
-    target = args.target
-    if target is None:
-        from dflash.recipes.assets import smollm2_gguf
-
-        target = convert_gguf(smollm2_gguf(), os.path.join(args.workdir, "smollm2-target"))
-    data = args.data
-    if data is None:
-        from dflash.recipes.cpu import chitchat_conversations, write_jsonl
-
-        data = os.path.join(args.workdir, "chitchat.jsonl")
-        convs = chitchat_conversations()[: args.conversations]
-        write_jsonl(data, [{"messages": [{"role": "user", "content": c["prompt"]},
-                                         {"role": "assistant", "content": c["reply"]}]} for c in convs])
-    H = text_config(load_config(target)).hidden_size
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [H // 2, H, 2 * H]
+    target, data, H, ranks = target_data_ranks(args)
     out = os.path.join(args.workdir, "cache-bf16")
     seconds = extract(out, target, data, args, "--max-samples", str(args.conversations), "--hidden-dtype", "bf16")
     cache = dflash_cache.open(out)

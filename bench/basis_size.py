@@ -75,23 +75,11 @@ def analytic_8b(K: int = 5, H: int = 4096) -> list[dict]:
     return rows
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="HF model dir or .gguf (default: the demo's SmolLM2-135M-Instruct)")
-    ap.add_argument("--data", help="chat jsonl (default: the demo's chitchat conversations)")
-    ap.add_argument("--conversations", type=int, default=240)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--ranks", help="basis ranks (default: H/2, H, 2H)")
-    ap.add_argument("--fit-tokens", type=int, default=16384, help="extract --basis-fit-tokens")
-    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dflash-bench-basis"))
-    ap.add_argument("--json")
-    args = ap.parse_args(argv)
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    os.makedirs(args.workdir, exist_ok=True)
-
-    import dflash_cache
+def target_data_ranks(args) -> tuple[str, str, int, list[int]]:
+    """(target, data, H, ranks) of a basis bench: --target or the demo's SmolLM2-135M-Instruct (converted into
+    --workdir), --data or the first --conversations of the demo's chitchat conversations (written there), the target's
+    hidden size and --ranks or H/2, H, 2H."""
     from dflash.core.target import convert_gguf, load_config, text_config
-    from dflash_cache.basis import fit_rows
 
     target = args.target
     if target is None:
@@ -107,7 +95,27 @@ def main(argv=None):
         write_jsonl(data, [{"messages": [{"role": "user", "content": c["prompt"]},
                                          {"role": "assistant", "content": c["reply"]}]} for c in convs])
     H = text_config(load_config(target)).hidden_size
-    ranks = [int(r) for r in args.ranks.split(",")] if args.ranks else [H // 2, H, 2 * H]
+    return target, data, H, [int(r) for r in args.ranks.split(",")] if args.ranks else [H // 2, H, 2 * H]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", help="HF model dir or .gguf (default: the demo's SmolLM2-135M-Instruct)")
+    ap.add_argument("--data", help="chat jsonl (default: the demo's chitchat conversations)")
+    ap.add_argument("--conversations", type=int, default=240)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--ranks", help="basis ranks (default: H/2, H, 2H)")
+    ap.add_argument("--fit-tokens", type=int, default=16384, help="extract --basis-fit-tokens")
+    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dflash-bench-basis"))
+    ap.add_argument("--json")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(max(1, os.cpu_count() or 1))
+    os.makedirs(args.workdir, exist_ok=True)
+
+    import dflash_cache
+    from dflash_cache.basis import fit_rows
+
+    target, data, H, ranks = target_data_ranks(args)
     common = ["--max-samples", str(args.conversations)]
     runs = [("bf16", ["--hidden-dtype", "bf16"]), ("fp8", ["--hidden-dtype", "fp8"])]
     runs += [(f"fp8, basis R={R}", ["--hidden-dtype", "fp8", "--basis-rank", str(R), "--basis-fit-tokens",
