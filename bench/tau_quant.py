@@ -63,11 +63,14 @@ def eval_in_fresh_process(cfg):
     compiled variant a step uses moves its near-tie argmax flips between the target alone and its verification).
     A user's `dflash eval` is such a fresh process."""
     import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
 
     from dflash.train.evaluate.eval import run_eval
 
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(run_eval, (cfg,))
+    # not multiprocessing.Pool: its workers are daemons, which may not start processes of their own (inductor's
+    # compile workers); an executor's may
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(run_eval, cfg).result()
 
 
 def complete_cache(path: str):
