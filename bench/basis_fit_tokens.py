@@ -3,7 +3,7 @@ held-out tokens as the fit sees more of them.
 
 Feeds BENCHMARKS.md, "Cache size" (features on their own basis).
 
-    python bench/basis_fit_tokens.py                       # SmolLM2-135M-Instruct on chitchat, CPU, ~5 min
+    python bench/basis_fit_tokens.py                       # SmolLM2-135M-Instruct on chitchat, CPU, ~6 min
     python bench/basis_fit_tokens.py --fit-tokens 2048,8192,65536 --json fit-tokens.json
 
 Runs the real `dflash extract` once, into a bf16 cache (the features as the target gives them), then fits bases the
