@@ -77,12 +77,12 @@ def main(argv=None):
     seconds = extract(out, target, data, args, "--max-samples", str(args.conversations), "--hidden-dtype", "bf16")
     cache = dflash_cache.open(out)
     n_rows = len(cache)
-    # every fourth row held out, the others the fits' plan: the packer orders rows longest conversations first, so a
-    # block of rows (the last ones: the shortest conversations, mostly template tokens) would be a biased sample
-    plan = [i for i in range(n_rows) if i % 4 != 3]
     if n_rows < 4:
         sys.exit(f"basis-fit-tokens: {n_rows} rows of {args.seq_len} tokens: too few to hold every fourth out "
                  "(raise --conversations)")
+    # every fourth row held out, the others the fits' plan: the packer orders rows longest conversations first, so a
+    # block of rows (the last ones: the shortest conversations, mostly template tokens) would be a biased sample
+    plan = [i for i in range(n_rows) if i % 4 != 3]
     width = len(cache.layer_ids) * H
     held = real_features(cache, range(3, n_rows, 4))[:, :width]
     print(f"basis-fit-tokens: {n_rows} rows ({seconds:.0f} s to extract), fits on {len(plan)} of them, "

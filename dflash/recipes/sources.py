@@ -273,7 +273,7 @@ def source_path(name: str) -> str:
         have = None
     if have is not None and have != want:  # another version's file is other data: the recipe's counts would move
         raise AssetError(f"the data source {name} is read from {s.pip}, but {dist} {have} is installed: "
-                                f"{install}")
+                         f"{install}")
     path = os.path.join(list(spec.submodule_search_locations)[0], s.path)
     if not (glob.glob(path) if "*" in path else os.path.exists(path)):
         raise AssetError(f"{path} is missing from the installed {dist}: reinstall it ({install})")
