@@ -124,7 +124,9 @@ def test_revisions_bring_the_training_time_to_the_budget_when_the_step_time_chan
     revised_as_due(rec, 5)
     first = rec["revisions"][0]
     assert 0.03 <= first["step_s"] < 0.08  # the steps after the probe, not the probe's
-    assert rec["total_steps"] > 1.5 * rec["decided_steps"]
+    # more steps than decided; how many more depends on the machine's own step time beside the slowdowns (1.6x
+    # at 0.03 s of its own, 1.4x at 0.05 s on a loaded machine), so the budget met below is the measure
+    assert rec["total_steps"] > rec["decided_steps"]
     t = train_time(str(run))
     assert t["steps"] == rec["total_steps"] and abs(t["train_s"] / budget - 1) < 0.2, (t, rec)
     provisional = max(math.ceil(env["rows"] / 2), 8)
