@@ -53,24 +53,18 @@ def errors(x: torch.Tensor, p: torch.Tensor, layer_width: int) -> dict:
 
 
 def main(argv=None):
+    from bench.basis_size import add_target_data_args, extract, target_data_ranks
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="HF model dir or .gguf (default: the demo's SmolLM2-135M-Instruct)")
-    ap.add_argument("--data", help="chat jsonl (default: the demo's chitchat conversations)")
-    ap.add_argument("--conversations", type=int, default=2400)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--ranks", help="basis ranks (default: H/2, H, 2H)")
+    add_target_data_args(ap, 2400, "dflash-bench-fit-tokens")
     ap.add_argument("--fit-tokens", default="1024,2048,4096,8192,16384,32768,65536",
                     help="row tokens each basis is fitted on (extract --basis-fit-tokens), comma list")
-    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dflash-bench-fit-tokens"))
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     os.makedirs(args.workdir, exist_ok=True)
 
     import dflash_cache
     from dflash_cache.basis import SecondMoment, fit, fit_rows
-
-    from bench.basis_size import extract, target_data_ranks
 
     target, data, H, ranks = target_data_ranks(args)
     out = os.path.join(args.workdir, "cache-bf16")

@@ -75,6 +75,17 @@ def analytic_8b(K: int = 5, H: int = 4096) -> list[dict]:
     return rows
 
 
+def add_target_data_args(ap: argparse.ArgumentParser, conversations: int, workdir: str) -> None:
+    """The options target_data_ranks reads (and --seq-len, --json), with a bench's own defaults."""
+    ap.add_argument("--target", help="HF model dir or .gguf (default: the demo's SmolLM2-135M-Instruct)")
+    ap.add_argument("--data", help="chat jsonl (default: the demo's chitchat conversations)")
+    ap.add_argument("--conversations", type=int, default=conversations)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--ranks", help="basis ranks (default: H/2, H, 2H)")
+    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), workdir))
+    ap.add_argument("--json")
+
+
 def target_data_ranks(args) -> tuple[str, str, int, list[int]]:
     """(target, data, H, ranks) of a basis bench: --target or the demo's SmolLM2-135M-Instruct (converted into
     --workdir), --data or the first --conversations of the demo's chitchat conversations (written there), the target's
@@ -100,14 +111,8 @@ def target_data_ranks(args) -> tuple[str, str, int, list[int]]:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", help="HF model dir or .gguf (default: the demo's SmolLM2-135M-Instruct)")
-    ap.add_argument("--data", help="chat jsonl (default: the demo's chitchat conversations)")
-    ap.add_argument("--conversations", type=int, default=240)
-    ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--ranks", help="basis ranks (default: H/2, H, 2H)")
+    add_target_data_args(ap, 240, "dflash-bench-basis")
     ap.add_argument("--fit-tokens", type=int, default=16384, help="extract --basis-fit-tokens")
-    ap.add_argument("--workdir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "dflash-bench-basis"))
-    ap.add_argument("--json")
     args = ap.parse_args(argv)
     torch.set_num_threads(max(1, os.cpu_count() or 1))
     os.makedirs(args.workdir, exist_ok=True)
