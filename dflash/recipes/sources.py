@@ -28,7 +28,8 @@ One more source needs no package: `self`, user turns the target writes itself af
 (dflash/recipes/self_prompts.py), sampled by the GPU recipe before its data stage.
 
 Each converter takes the file's parsed content (so tests can feed it the real file or a few rows) and returns the
-conversations; a missing or other-version package is an AssetError that says what to install (`make venv` installs them all).
+conversations; a missing or other-version package is an AssetError that says what to install (`make venv` installs
+them all).
 Conversations that repeat an earlier one up to its last user turn are dropped (the target's answer would be the
 same text again), but in chitchat, whose samples stay those the GPU recipe has always trained on.
 """
@@ -173,7 +174,7 @@ def functions(files: dict[str, str]) -> list[Conversation]:
             tree = ast.parse(text)
         except SyntaxError as e:  # a pinned package's file: its functions would go missing without a word
             raise DataError(f"functions: {path} line {e.lineno} does not parse on Python "
-                             f"{sys.version.split()[0]}: {e.msg}") from None
+                            f"{sys.version.split()[0]}: {e.msg}") from None
         lines = text.splitlines()
         for node in tree.body:
             if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
